@@ -1,0 +1,202 @@
+"""``Config``: a dict with attribute access, loaded from a ``.py`` file in isolation."""
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+import types
+import uuid
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+
+class ConfigException(Exception):
+    """A config that cannot work; the message names the file, line, key and fix."""
+
+
+class Config(dict):
+    """Dict with attribute access. Nested dicts become ``Config``; dicts inside lists stay plain.
+
+    A missing attribute raises ``AttributeError`` (so ``hasattr`` works), a missing item ``KeyError``.
+    """
+
+    def __init__(self, config: Optional[dict] = None):
+        super().__init__()
+        object.__setattr__(self, "_source", None)
+        if config is not None:
+            if not isinstance(config, dict):
+                raise TypeError(f"Config expects a dict, got {type(config).__name__}")
+            for key, value in config.items():
+                self._add_item(key, value)
+            if isinstance(config, Config):
+                object.__setattr__(self, "_source", config._source)
+
+    def __missing__(self, key):
+        raise KeyError(key)
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key, value):
+        self._add_item(key, value)
+
+    def __delattr__(self, key):
+        try:
+            del self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def _add_item(self, key, value):
+        if isinstance(value, dict) and not isinstance(value, Config):
+            value = Config(value)
+        super().__setitem__(key, value)
+
+    def __setitem__(self, key, value):
+        self._add_item(key, value)
+
+    def update(self, config=None, **kwargs):
+        if config is not None:
+            if not isinstance(config, dict):
+                raise TypeError(f"Config.update expects a dict, got {type(config).__name__}")
+            for k, v in config.items():
+                self._add_item(k, v)
+        for k, v in kwargs.items():
+            self._add_item(k, v)
+        return self
+
+    def copy(self) -> dict:
+        """A shallow plain-dict copy (legacy ``initialize`` relied on this being a dict)."""
+        return dict(self)
+
+    def __reduce__(self):
+        return (Config, (dict(self),))
+
+    # -- source tracking, used by error messages -------------------------------------------
+    @property
+    def source(self) -> Optional["ConfigSource"]:
+        return self._source
+
+    def where(self, *path: str) -> str:
+        """``file:line`` of the key at ``path`` when known, else the file, else ``<dict config>``."""
+        src = self._source
+        if src is None:
+            return "<dict config>"
+        line = src.line_of(path)
+        return f"{src.path}:{line}" if line else str(src.path)
+
+    @staticmethod
+    def from_file(filename) -> "Config":
+        return load_config_file(filename)
+
+
+class ConfigSource:
+    """Where a config came from, and the line of each key written in it."""
+
+    def __init__(self, path: Path, lines: Dict[Tuple[str, ...], int]):
+        self.path = path
+        self.lines = lines
+
+    def line_of(self, path: Tuple[str, ...]) -> Optional[int]:
+        # the deepest known prefix of the key path
+        for n in range(len(path), 0, -1):
+            line = self.lines.get(tuple(path[:n]))
+            if line:
+                return line
+        return None
+
+
+def _key_lines(tree: ast.Module) -> Dict[Tuple[str, ...], int]:
+    """Map ``('fp16', 'mode')`` style key paths to the line where they are written."""
+    lines: Dict[Tuple[str, ...], int] = {}
+
+    def visit_value(prefix: Tuple[str, ...], node: ast.AST):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
+            for kw in node.keywords:
+                if kw.arg is not None:
+                    lines[prefix + (kw.arg,)] = getattr(kw, "lineno", None) or node.lineno
+                    visit_value(prefix + (kw.arg,), kw.value)
+        elif isinstance(node, ast.Dict):
+            for k, v in zip(node.keys, node.values):
+                if isinstance(k, ast.Constant) and isinstance(k.value, str):
+                    lines[prefix + (k.value,)] = k.lineno
+                    visit_value(prefix + (k.value,), v)
+
+    for stmt in tree.body:
+        targets = []
+        if isinstance(stmt, ast.Assign):
+            targets = [t for t in stmt.targets if isinstance(t, ast.Name)]
+            value = stmt.value
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
+            targets = [stmt.target]
+            value = stmt.value
+        for t in targets:
+            lines[(t.id,)] = stmt.lineno
+            visit_value((t.id,), value)
+    return lines
+
+
+def load_config_file(filename) -> Config:
+    """Execute a ``.py`` config in its own namespace and keep its public values.
+
+    Kept: every top-level name not starting with ``_`` that is not a module or a class.
+    The config may import sibling files from its folder; neither the config's module nor
+    those siblings linger in ``sys.modules``, and ``sys.path`` is restored.
+    """
+    if not isinstance(filename, (str, Path)):
+        raise TypeError(f"config path must be a str or pathlib.Path, got {type(filename).__name__}")
+    path = Path(filename).expanduser()
+    if not path.exists():
+        raise ConfigException(f"Config file not found: {path} (check the path given as config=...)")
+    if path.is_dir():
+        raise ConfigException(f"Config path is a folder, not a file: {path}")
+    if path.suffix != ".py":
+        raise ConfigException(f"Config file must be a Python file ending in .py: {path} (got '{path.suffix or 'no suffix'}')")
+    path = path.resolve()
+    source = path.read_text(encoding="utf-8")
+    try:
+        tree = ast.parse(source, filename=str(path))
+    except SyntaxError as e:
+        raise ConfigException(f"{path}:{e.lineno}: syntax error in config: {e.msg}\n    {(e.text or '').rstrip()}") from None
+
+    module_name = f"_colossal_lite_config_{uuid.uuid4().hex}"
+    module = types.ModuleType(module_name)
+    module.__file__ = str(path)
+    folder = str(path.parent)
+    modules_before = set(sys.modules)
+    path_before = list(sys.path)
+    sys.path.insert(0, folder)
+    sys.modules[module_name] = module
+    try:
+        code = compile(tree, str(path), "exec")
+        exec(code, module.__dict__)
+    except ConfigException:
+        raise
+    except Exception as e:  # the user's config raised: point at its line
+        tb = e.__traceback__
+        line = None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == str(path):
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        where = f"{path}:{line}" if line else str(path)
+        raise ConfigException(f"{where}: error while executing config: {type(e).__name__}: {e}") from e
+    finally:
+        sys.modules.pop(module_name, None)
+        # forget sibling modules the config imported from its own folder
+        for name in set(sys.modules) - modules_before:
+            mod_file = getattr(sys.modules.get(name), "__file__", None)
+            if mod_file and Path(mod_file).resolve().parent == path.parent:
+                sys.modules.pop(name, None)
+        sys.path[:] = path_before
+
+    values: Dict[str, Any] = {}
+    for name, value in module.__dict__.items():
+        if name.startswith("_") or inspect.ismodule(value) or inspect.isclass(value):
+            continue
+        values[name] = value
+    config = Config(values)
+    object.__setattr__(config, "_source", ConfigSource(path, _key_lines(tree)))
+    return config

@@ -1,0 +1,32 @@
+"""Packaging for colossal_lite (metadata lives here; tool settings in pyproject.toml)."""
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "colossal_lite" / "_version.py").read_text()).group(1)
+
+setup(
+    name="colossal_lite",
+    version=VERSION,
+    description="The legacy Colossal-AI engine + trainer workflow on plain PyTorch",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.9",
+    packages=find_packages(include=["colossal_lite", "colossal_lite.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "torchvision",
+        "rich",
+        "colorama",
+        "psutil",
+    ],
+    extras_require={
+        "dev": ["pytest>=7", "pytest-timeout", "numpy", "scikit-learn", "ruff"],
+        "examples": ["scikit-learn"],
+        "tensorboard": ["tensorboard"],
+    },
+    entry_points={"console_scripts": ["colossal-lite=colossal_lite.cli:main"]},
+)
