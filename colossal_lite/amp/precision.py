@@ -1,0 +1,305 @@
+"""Precision plugins: one class per mode, one interface.
+
+``setup`` adapts model and optimizer once; ``autocast`` wraps forward and loss;
+``backward`` scales; ``unscale_`` makes gradients true-valued before clipping (once per
+update); ``step`` runs (or, on fp16 overflow, skips) the optimizer step; ``state_dict``
+holds the loss scaler. fp16 loss-scaling modes read one flag from the device per update
+(as torch's GradScaler does); fp32 and bf16 never synchronise.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .amp_type import AMP_TYPE
+
+
+def _device_type(model: nn.Module) -> str:
+    for p in model.parameters():
+        return p.device.type
+    return "cpu"
+
+
+def _optimizer_params(optimizer) -> List[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class FP32Precision:
+    """Plain fp32: no autocast, no scaling."""
+
+    mode: Optional[AMP_TYPE] = None
+    name = "fp32"
+
+    def setup(self, model: nn.Module, optimizer) -> Tuple[nn.Module, object]:
+        return model, optimizer
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor):
+        loss.backward()
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor):
+        torch.autograd.backward(tensors=tensor, grad_tensors=grad)
+
+    def unscale_(self, optimizer):
+        pass
+
+    def step(self, optimizer):
+        optimizer.step()
+
+    def zero_grad(self, model: nn.Module, optimizer, set_to_none: bool = True):
+        optimizer.zero_grad(set_to_none=set_to_none)
+
+    def master_params(self, optimizer) -> List[torch.Tensor]:
+        """The tensors whose gradients the optimizer applies (what clipping must see)."""
+        return _optimizer_params(optimizer)
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        return None
+
+    def state_dict(self) -> Dict:
+        return {}
+
+    def load_state_dict(self, state: Dict):
+        pass
+
+
+class BF16Precision(FP32Precision):
+    """bf16 autocast over fp32 weights; bf16 has fp32's range, so no loss scaling."""
+
+    mode = AMP_TYPE.BF16
+    name = "bf16"
+
+    def __init__(self, device_type: str = "cpu"):
+        self.device_type = device_type
+
+    def setup(self, model, optimizer):
+        self.device_type = _device_type(model)
+        return model, optimizer
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=torch.bfloat16)
+
+
+class TorchAMPPrecision(FP32Precision):
+    """fp16 autocast with ``torch.amp.GradScaler`` (skips overflowing steps, backs the scale off)."""
+
+    mode = AMP_TYPE.TORCH
+    name = "torch_amp"
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True):
+        self.options = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                            growth_interval=growth_interval, enabled=enabled)
+        self.device_type = "cpu"
+        self.scaler: Optional[torch.amp.GradScaler] = None
+        self._unscaled = False
+
+    def setup(self, model, optimizer):
+        self.device_type = _device_type(model)
+        self.scaler = torch.amp.GradScaler(self.device_type, **self.options)
+        return model, optimizer
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=torch.float16, enabled=self.options["enabled"])
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def backward_by_grad(self, tensor, grad):
+        torch.autograd.backward(tensors=tensor, grad_tensors=self.scaler.scale(grad))
+
+    def unscale_(self, optimizer):
+        if not self._unscaled:
+            self.scaler.unscale_(optimizer)
+            self._unscaled = True
+
+    def step(self, optimizer):
+        self.scaler.step(optimizer)  # skipped when unscale found inf/nan
+        self.scaler.update()
+        self._unscaled = False
+
+    @property
+    def loss_scale(self):
+        return self.scaler.get_scale() if self.scaler is not None else None
+
+    def state_dict(self):
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state):
+        if state and self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+class DynamicGradScaler:
+    """Loss scale for naive fp16: back off after ``hysteresis`` overflows, grow after ``growth_interval`` good steps."""
+
+    def __init__(self, initial_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 1000, min_scale: Optional[float] = None, max_scale: Optional[float] = None,
+                 hysteresis: int = 2, dynamic: bool = True):
+        self.scale = float(initial_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.min_scale, self.max_scale, self.dynamic = min_scale, max_scale, dynamic
+        self._good_steps = 0
+        self._hysteresis_left = hysteresis
+
+    def update(self, overflow: bool):
+        if not self.dynamic:
+            return
+        if overflow:
+            self._good_steps = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.scale *= self.backoff_factor
+                if self.min_scale is not None:
+                    self.scale = max(self.scale, self.min_scale)
+                self._hysteresis_left = self.hysteresis
+        else:
+            self._good_steps += 1
+            if self._good_steps >= self.growth_interval:
+                self._good_steps = 0
+                self._hysteresis_left = self.hysteresis
+                self.scale *= self.growth_factor
+                if self.max_scale is not None:
+                    self.scale = min(self.scale, self.max_scale)
+
+    def state_dict(self):
+        return {"scale": self.scale, "good_steps": self._good_steps, "hysteresis_left": self._hysteresis_left}
+
+    def load_state_dict(self, state):
+        self.scale = float(state["scale"])
+        self._good_steps = int(state["good_steps"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+
+
+def _cast_floats(obj, dtype):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, (list, tuple)):
+        cast = [_cast_floats(o, dtype) for o in obj]
+        return type(obj)(*cast) if hasattr(obj, "_fields") else type(obj)(cast)
+    if isinstance(obj, dict):
+        return type(obj)((k, _cast_floats(v, dtype)) for k, v in obj.items())
+    return obj
+
+
+class NaiveAMPPrecision(FP32Precision):
+    """fp16 weights and activations, fp32 master weights in the optimizer, dynamic loss scale; fp32 outputs."""
+
+    mode = AMP_TYPE.NAIVE
+    name = "naive_amp"
+
+    def __init__(self, initial_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 1000, hysteresis: int = 2, min_scale: Optional[float] = None,
+                 max_scale: Optional[float] = None, dynamic_grad_scale: bool = True, verbose: bool = False):
+        self.scaler = DynamicGradScaler(initial_scale, growth_factor, backoff_factor, growth_interval, min_scale,
+                                        max_scale, hysteresis, dynamic=dynamic_grad_scale)
+        self._pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (fp16 model param, fp32 master)
+        self._scale_tensor: Optional[torch.Tensor] = None
+        self._found_inf: Optional[torch.Tensor] = None
+        self._unscaled = False
+
+    def setup(self, model, optimizer):
+        model.half()
+        model.register_forward_pre_hook(lambda m, args, kwargs: (_cast_floats(args, torch.float16),
+                                                                _cast_floats(kwargs, torch.float16)), with_kwargs=True)
+        model.register_forward_hook(lambda m, args, out: _cast_floats(out, torch.float32))
+        for group in optimizer.param_groups:
+            masters = []
+            for p in group["params"]:
+                master = p.detach().clone().float().requires_grad_(p.requires_grad)
+                self._pairs.append((p, master))
+                masters.append(master)
+            group["params"] = masters
+        device = self._pairs[0][0].device if self._pairs else torch.device("cpu")
+        self._found_inf = torch.zeros(1, device=device)
+        return model, optimizer
+
+    def _scale(self, like: torch.Tensor) -> torch.Tensor:
+        t = self._scale_tensor
+        if t is None or t.device != like.device or self._scale_value != self.scaler.scale:
+            self._scale_value = self.scaler.scale
+            t = self._scale_tensor = torch.full((), self.scaler.scale, dtype=torch.float32, device=like.device)
+        return t
+
+    def backward(self, loss):
+        (loss.float() * self._scale(loss)).backward()
+
+    def backward_by_grad(self, tensor, grad):
+        torch.autograd.backward(tensors=tensor, grad_tensors=grad * self._scale(grad).to(grad.dtype))
+
+    def unscale_(self, optimizer):
+        """Copy fp16 grads into fp32 master grads, divide by the scale, flag inf/nan."""
+        if self._unscaled:
+            return
+        self._found_inf.zero_()
+        grads = []
+        for p, master in self._pairs:
+            if p.grad is None:
+                master.grad = None
+                continue
+            master.grad = p.grad.float()
+            grads.append(master.grad)
+        if grads:
+            inv = (1.0 / self._scale(grads[0])).to(grads[0].device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, inv)
+        self._unscaled = True
+
+    def step(self, optimizer):
+        self.unscale_(optimizer)
+        overflow = bool(self._found_inf.item())  # the one device read per update in this mode
+        self.scaler.update(overflow)
+        if not overflow:
+            optimizer.step()
+            with torch.no_grad():
+                for p, master in self._pairs:
+                    p.copy_(master)
+        self._unscaled = False
+
+    def zero_grad(self, model, optimizer, set_to_none=True):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        model.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def loss_scale(self):
+        return self.scaler.scale
+
+    def state_dict(self):
+        return {"scaler": self.scaler.state_dict(), "master_params": [m.detach().clone() for _, m in self._pairs]}
+
+    def load_state_dict(self, state):
+        if not state:
+            return
+        self.scaler.load_state_dict(state["scaler"])
+        masters = state.get("master_params")
+        if masters is not None:
+            if len(masters) != len(self._pairs):
+                raise ValueError(f"naive fp16 state has {len(masters)} master weights, the optimizer has {len(self._pairs)}")
+            with torch.no_grad():
+                for (p, master), saved in zip(self._pairs, masters):
+                    master.copy_(saved)
+                    p.copy_(saved)
+
+
+def build_precision(fp16_config) -> FP32Precision:
+    """The precision plugin for a config's ``fp16`` entry (None or mode None -> fp32)."""
+    from ..context.validation import normalize_amp_mode
+
+    if not fp16_config:
+        return FP32Precision()
+    options = {k: v for k, v in dict(fp16_config).items() if k != "mode"}
+    mode = normalize_amp_mode(fp16_config.get("mode"))
+    if mode is None:
+        return FP32Precision()
+    cls = {AMP_TYPE.TORCH: TorchAMPPrecision, AMP_TYPE.BF16: BF16Precision, AMP_TYPE.NAIVE: NaiveAMPPrecision}.get(mode)
+    if cls is None:
+        from ..context.config import ConfigException
+
+        raise ConfigException(f"fp16 mode {mode} is not supported; use AMP_TYPE.TORCH, BF16 or NAIVE")
+    return cls(**options)

@@ -1,0 +1,81 @@
+"""The ``colossal-lite`` command: ``info``, ``check CONFIG.py``."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from typing import List, Optional
+
+
+def _info() -> int:
+    import torch
+
+    from . import __version__
+
+    cuda = torch.cuda.is_available()
+    lines = [
+        f"colossal_lite: {__version__}",
+        f"Python: {platform.python_version()} ({sys.executable})",
+        f"torch: {torch.__version__}",
+        f"CUDA available: {cuda} (torch built with CUDA {torch.version.cuda or 'none'})",
+        f"NCCL available: {torch.distributed.is_available() and torch.distributed.is_nccl_available()}",
+        f"gloo available: {torch.distributed.is_available() and torch.distributed.is_gloo_available()}",
+        f"CPU count: {os.cpu_count()}",
+        f"GPUs: {torch.cuda.device_count() if cuda else 0}",
+    ]
+    if cuda:
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            lines.append(f"  cuda:{i}: {p.name}, {p.total_memory / 2**30:.1f} GiB")
+    try:
+        import tensorboard  # noqa: F401
+        tb = "installed"
+    except ImportError:
+        tb = "not installed (pip install 'colossal_lite[tensorboard]')"
+    lines.append(f"tensorboard extra: {tb}")
+    print("\n".join(lines))
+    return 0
+
+
+def _check(path: str) -> int:
+    from .context.config import ConfigException
+    from .context.features import describe_features
+    from .launch import load_config
+
+    try:
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            config = load_config(path)
+    except (ConfigException, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    print(f"{path}: OK. This config switches on:")
+    for line in describe_features(config):
+        print(f"  - {line}")
+    user = sorted(k for k in config if isinstance(k, str) and k.isupper())
+    if user:
+        print(f"  your own values: {', '.join(f'{k}={config[k]!r}' for k in user)}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="colossal-lite", description="colossal_lite command-line tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions of Python, torch, CUDA/NCCL, CPUs, GPUs and extras")
+    p = sub.add_parser("check", help="validate a config file and explain the features it switches on")
+    p.add_argument("config", help="path to a config .py file")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return _info()
+    if args.command == "check":
+        return _check(args.config)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

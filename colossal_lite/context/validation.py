@@ -1,0 +1,254 @@
+"""Checks a config completely before any process group starts.
+
+Every error names the file and line (or ``<dict config>``), the key, what is wrong and the fix.
+UPPERCASE names are the user's own hyper-parameters and are never checked.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import numbers
+import warnings
+from typing import Any, Callable, Dict, List, Optional
+
+from ..amp.amp_type import AMP_TYPE
+from .config import Config, ConfigException
+
+# Options each precision mode accepts, with their defaults.
+TORCH_AMP_OPTIONS = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, enabled=True)
+NAIVE_AMP_OPTIONS = dict(
+    initial_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000, hysteresis=2,
+    min_scale=None, max_scale=None, dynamic_grad_scale=True, verbose=False,
+)
+BF16_OPTIONS: Dict[str, Any] = {}
+ZERO_OPTIONS = dict(stage=None, offload_optimizer=False, shard_modules=None, reshard_after_forward=None)
+GRADIENT_HANDLERS = ("DataParallelGradientHandler",)
+
+# Common misspellings, mapped to the key that was meant.
+ALIASES = {
+    "gradient_clipping": "clip_grad_norm", "clip_grad": "clip_grad_norm", "grad_clip": "clip_grad_norm",
+    "clip_grad_norm_": "clip_grad_norm", "max_grad_norm": "clip_grad_norm", "grad_norm_clip": "clip_grad_norm",
+    "grad_accumulation": "gradient_accumulation", "gradient_accumulation_steps": "gradient_accumulation",
+    "accumulate_grad_batches": "gradient_accumulation", "grad_accum": "gradient_accumulation",
+    "fp_16": "fp16", "amp": "fp16", "mixed_precision": "fp16", "precision": "fp16",
+    "ddp": "torch_ddp", "gradient_handlers": "gradient_handler", "cudnn_bench": "cudnn_benchmark",
+}
+
+
+def _is_bool(v):
+    return isinstance(v, bool)
+
+
+def _is_number(v):
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+class _Checker:
+    def __init__(self, config: Config):
+        self.config = config
+
+    def fail(self, path, problem: str, fix: str):
+        key = ".".join(path)
+        raise ConfigException(f"{self.config.where(*path)}: config key '{key}': {problem}. Fix: {fix}")
+
+    # -- per-key checks ---------------------------------------------------------------------
+    def fp16(self, value):
+        if value is None:
+            return
+        if not isinstance(value, dict):
+            self.fail(("fp16",), f"expected a dict like dict(mode=AMP_TYPE.TORCH), got {type(value).__name__}",
+                      "write fp16 = dict(mode=AMP_TYPE.TORCH) (or BF16, NAIVE, None)")
+        if "mode" not in value:
+            self.fail(("fp16",), "missing 'mode'", "add mode=AMP_TYPE.TORCH, AMP_TYPE.BF16, AMP_TYPE.NAIVE or None")
+        mode = normalize_amp_mode(value["mode"], lambda problem, fix: self.fail(("fp16", "mode"), problem, fix))
+        if mode is AMP_TYPE.APEX:
+            self.fail(("fp16", "mode"), "AMP_TYPE.APEX needs NVIDIA apex, which colossal_lite does not support",
+                      "use AMP_TYPE.TORCH (torch autocast + GradScaler, the same O1 behaviour) or AMP_TYPE.NAIVE (O3-like)")
+        options = {None: {}, AMP_TYPE.TORCH: TORCH_AMP_OPTIONS, AMP_TYPE.NAIVE: NAIVE_AMP_OPTIONS,
+                   AMP_TYPE.BF16: BF16_OPTIONS}[mode]
+        for opt, v in value.items():
+            if opt == "mode":
+                continue
+            if opt not in options:
+                accepted = ", ".join(options) or "no options"
+                self.fail(("fp16", opt), f"not an option of mode {mode.name if mode else None}",
+                          f"remove it{self._suggest(opt, options)} (accepted: {accepted})")
+            if opt in ("enabled", "dynamic_grad_scale", "verbose"):
+                if not _is_bool(v):
+                    self.fail(("fp16", opt), f"expected True or False, got {v!r}", f"write {opt}=True or {opt}=False")
+            elif opt in ("min_scale", "max_scale") and v is None:
+                pass
+            elif opt in ("growth_interval", "hysteresis"):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    self.fail(("fp16", opt), f"expected a positive int, got {v!r}", f"write e.g. {opt}={options[opt]}")
+            elif not _is_number(v) or v <= 0:
+                self.fail(("fp16", opt), f"expected a positive number, got {v!r}", f"write e.g. {opt}={options[opt]}")
+        if mode is AMP_TYPE.TORCH and "growth_factor" in value and value["growth_factor"] <= 1:
+            self.fail(("fp16", "growth_factor"), "must be > 1", "write growth_factor=2.0")
+        if "backoff_factor" in value and not 0 < value["backoff_factor"] < 1:
+            self.fail(("fp16", "backoff_factor"), "must be between 0 and 1", "write backoff_factor=0.5")
+
+    def clip_grad_norm(self, value):
+        if not _is_number(value) or value < 0:
+            self.fail(("clip_grad_norm",), f"expected a number >= 0 (the max global L2 norm; 0 turns clipping off), got {value!r}",
+                      "write clip_grad_norm = 1.0")
+
+    def gradient_accumulation(self, value):
+        if value == "auto":
+            return
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            self.fail(("gradient_accumulation",), f"expected a positive int (micro-batches per optimizer step) or 'auto', got {value!r}",
+                      "write gradient_accumulation = 4")
+
+    def _bool_key(self, key, value):
+        if not _is_bool(value):
+            self.fail((key,), f"expected True or False, got {value!r}", f"write {key} = True")
+
+    def cudnn_benchmark(self, value):
+        self._bool_key("cudnn_benchmark", value)
+
+    def cudnn_deterministic(self, value):
+        self._bool_key("cudnn_deterministic", value)
+
+    def torch_ddp(self, value):
+        if not isinstance(value, dict):
+            self.fail(("torch_ddp",), f"expected a dict of DistributedDataParallel keyword arguments, got {type(value).__name__}",
+                      "write torch_ddp = dict(find_unused_parameters=True)")
+        from torch.nn.parallel import DistributedDataParallel
+
+        params = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+        reserved = {"process_group", "device_ids", "output_device"}
+        for k in value:
+            if k in reserved:
+                self.fail(("torch_ddp", k), "is set by colossal_lite from the launch (one device per process)", "remove it")
+            if k not in params:
+                self.fail(("torch_ddp", k), "is not a keyword argument of torch DistributedDataParallel",
+                          f"remove it{self._suggest(k, params - reserved)}")
+
+    def gradient_handler(self, value):
+        if not isinstance(value, (list, tuple)):
+            self.fail(("gradient_handler",), f"expected a list of dicts, got {type(value).__name__}",
+                      "write gradient_handler = [dict(type='DataParallelGradientHandler')]")
+        for item in value:
+            if not isinstance(item, dict) or "type" not in item:
+                self.fail(("gradient_handler",), f"each entry must be a dict with a 'type', got {item!r}",
+                          "write gradient_handler = [dict(type='DataParallelGradientHandler')]")
+            if item["type"] not in GRADIENT_HANDLERS:
+                self.fail(("gradient_handler",), f"unknown handler type {item['type']!r}",
+                          f"use one of {', '.join(GRADIENT_HANDLERS)} (tensor/pipeline/MoE handlers are not supported)")
+            extra = set(item) - {"type", "bucket_size_mb"}
+            if extra:
+                self.fail(("gradient_handler",), f"unknown option(s) {sorted(extra)} for {item['type']}",
+                          "remove them (accepted: type, bucket_size_mb)")
+
+    def parallel(self, value):
+        if not isinstance(value, dict):
+            self.fail(("parallel",), f"expected a dict, got {type(value).__name__}", "remove the key (data parallelism needs no config)")
+        for k, v in value.items():
+            if k == "data":
+                continue
+            if k not in ("pipeline", "tensor"):
+                self.fail(("parallel", k), "unknown parallel mode", "remove it; only data parallelism is supported")
+            size = v.get("size", 1) if isinstance(v, dict) else v
+            if size not in (None, 1):
+                self.fail(("parallel", k), f"{k} parallelism (size {size}) is not supported by colossal_lite",
+                          f"remove parallel.{k}; scale with data parallelism and zero=dict(stage=...) instead")
+
+    def zero(self, value):
+        if not isinstance(value, dict):
+            self.fail(("zero",), f"expected a dict like dict(stage=2), got {type(value).__name__}", "write zero = dict(stage=2)")
+        if "model_config" in value or "optimizer_config" in value:
+            self.fail(("zero",), "the legacy ShardedModelV2 form (model_config/optimizer_config) is not supported",
+                      "write zero = dict(stage=1|2|3) to use torch's ZeroRedundancyOptimizer / FSDP2")
+        for k in value:
+            if k not in ZERO_OPTIONS:
+                self.fail(("zero", k), "not an option of zero", f"remove it{self._suggest(k, ZERO_OPTIONS)} (accepted: {', '.join(ZERO_OPTIONS)})")
+        if value.get("stage") not in (1, 2, 3):
+            self.fail(("zero", "stage"), f"expected 1, 2 or 3, got {value.get('stage')!r}", "write zero = dict(stage=2)")
+
+    def dist_timeout(self, value):
+        if not _is_number(value) or value <= 0:
+            self.fail(("dist_timeout",), f"expected seconds > 0, got {value!r}", "write dist_timeout = 300")
+
+    def _positive_int(self, key, value):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            self.fail((key,), f"expected a positive int, got {value!r}", f"write {key} = 32")
+
+    def micro_batch_size(self, value):
+        self._positive_int("micro_batch_size", value)
+
+    def global_batch_size(self, value):
+        self._positive_int("global_batch_size", value)
+
+    def grad_reduction(self, value):
+        if value not in ("mean", "sum", "per-token-mean"):
+            self.fail(("grad_reduction",), f"expected 'mean', 'sum' or 'per-token-mean', got {value!r}", "write grad_reduction = 'mean'")
+
+    def compile(self, value):
+        if _is_bool(value):
+            return
+        if not isinstance(value, dict):
+            self.fail(("compile",), f"expected True/False or a dict of torch.compile options, got {type(value).__name__}",
+                      "write compile = dict(mode='default')")
+        allowed = {"mode", "fullgraph", "dynamic", "backend", "options"}
+        for k in value:
+            if k not in allowed:
+                self.fail(("compile", k), "not an option of torch.compile", f"remove it (accepted: {', '.join(sorted(allowed))})")
+
+    # -- helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def _suggest(name, candidates) -> str:
+        close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+        return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+# The feature keys; each has a check of the same name on _Checker.
+FEATURE_KEYS = (
+    "fp16", "clip_grad_norm", "gradient_accumulation", "cudnn_benchmark", "cudnn_deterministic", "torch_ddp",
+    "gradient_handler", "parallel", "zero", "dist_timeout", "micro_batch_size", "global_batch_size",
+    "grad_reduction", "compile",
+)
+
+
+def normalize_amp_mode(mode, fail: Optional[Callable[[str, str], None]] = None) -> Optional[AMP_TYPE]:
+    """``AMP_TYPE`` member, or its value as a string ('torch', 'bf16', 'naive'), or None -> AMP_TYPE/None."""
+    if mode is None or isinstance(mode, AMP_TYPE):
+        return mode
+    if isinstance(mode, str):
+        for m in AMP_TYPE:
+            if mode.lower() in (m.value, m.name.lower()):
+                return m
+    problem = f"unknown precision mode {mode!r}"
+    fix = "use AMP_TYPE.TORCH, AMP_TYPE.BF16, AMP_TYPE.NAIVE or None (from colossal_lite.amp import AMP_TYPE)"
+    if fail is not None:
+        fail(problem, fix)
+    raise ConfigException(f"{problem}. Fix: {fix}")
+
+
+def validate_config(config: Config) -> List[str]:
+    """Raise ``ConfigException`` on the first bad feature key; return the warnings issued."""
+    checker = _Checker(config)
+    notes: List[str] = []
+    for key, value in config.items():
+        if not isinstance(key, str) or key.isupper() or key.startswith("_"):
+            continue
+        if key in FEATURE_KEYS:
+            getattr(checker, key)(value)
+            continue
+        meant = ALIASES.get(key) or (difflib.get_close_matches(key, FEATURE_KEYS, n=1, cutoff=0.8) or [None])[0]
+        if meant is not None:
+            checker.fail((key,), f"is not a colossal_lite config key, so it would be silently ignored",
+                         f"rename it to '{meant}'")
+    # a feature dict nested inside another top-level dict does nothing (CONFIG = dict(fp16=...))
+    for key, value in config.items():
+        if isinstance(key, str) and key not in FEATURE_KEYS and isinstance(value, dict):
+            nested = [k for k in value if k in FEATURE_KEYS]
+            for k in nested:
+                msg = (f"{config.where(key, k)}: config key '{key}.{k}' looks like a feature setting but is nested inside "
+                       f"'{key}', so it has no effect. Fix: move '{k}' to the top level of the config file")
+                warnings.warn(msg, UserWarning, stacklevel=3)
+                notes.append(msg)
+    if config.get("gradient_handler") is not None and config.get("torch_ddp"):
+        checker.fail(("torch_ddp",), "is ignored when 'gradient_handler' is set (gradients are all-reduced by the handler, not DDP)",
+                     "remove one of 'torch_ddp' and 'gradient_handler'")
+    return notes

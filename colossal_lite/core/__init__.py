@@ -1,0 +1,3 @@
+from .global_context import global_context
+
+__all__ = ["global_context"]

@@ -1,0 +1,232 @@
+"""``Engine``: the model, optimizer and criterion with the config's features composed in.
+
+Used like PyTorch: ``zero_grad() / engine(x) / engine.criterion(out, y) / backward(loss) / step()``.
+The parts (precision, data-parallel strategy, accumulation window) are chosen once by
+``initialize``; the per-step path below asks no config and makes no host-device sync
+(fp16 loss-scaling modes read one overflow flag per update, like torch's GradScaler).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+from torch import nn
+
+from ..amp.precision import FP32Precision
+from .accumulation import AccumulationWindow, rescale_grads_
+from .schedule import NonPipelineSchedule
+from .strategy import SingleProcess
+
+
+class _Criterion:
+    """``engine.criterion``: the user's criterion, run under the precision's autocast."""
+
+    def __init__(self, engine: "Engine"):
+        self._engine = engine
+
+    def __call__(self, *args, **kwargs):
+        fn = self._engine._criterion
+        if fn is None:
+            raise RuntimeError("engine.criterion was called but initialize() got no criterion; "
+                               "pass criterion=torch.nn.CrossEntropyLoss() (or your loss) to initialize")
+        with self._engine.precision.autocast():
+            return fn(*args, **kwargs)
+
+    @property
+    def wrapped(self):
+        return self._engine._criterion
+
+    def __repr__(self):
+        return f"EngineCriterion({self._engine._criterion!r})"
+
+
+class Engine:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, criterion=None, precision=None,
+                 strategy=None, window: Optional[AccumulationWindow] = None, clip_grad_norm: float = 0.0,
+                 schedule: Optional[NonPipelineSchedule] = None, device: Optional[torch.device] = None,
+                 gradient_handlers=None, verbose: bool = True):
+        self._model = model
+        self._optimizer = optimizer
+        self._criterion = criterion
+        self.precision = precision or FP32Precision()
+        self.strategy = strategy or SingleProcess()
+        self.window = window or AccumulationWindow(1)
+        self.clip_grad_norm = float(clip_grad_norm or 0.0)
+        self.schedule = schedule or NonPipelineSchedule()
+        self.device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.training = True
+        self.num_updates = 0  # optimizer steps really applied (skipped fp16 steps do not count)
+        self.grad_norm: Optional[torch.Tensor] = None  # global L2 norm of the last update, on the device
+        self.event_sink = None  # set by the Trainer: after_grad_norm / before_optimizer_step / after_optimizer_step
+        self.measure_grad_norm = self.clip_grad_norm > 0
+        self._criterion_call = _Criterion(self)
+        self._params = self.precision.master_params(optimizer)
+        optimizer.register_step_post_hook(self._count_update)
+
+    def _count_update(self, optimizer, args, kwargs):
+        self.num_updates += 1
+
+    # -- the parts ---------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        """The model forward runs through (DDP-wrapped when data parallel)."""
+        return self._model
+
+    @property
+    def unwrapped_model(self) -> nn.Module:
+        """The user's own module, without DDP."""
+        return self.strategy.unwrap(self._model)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    @property
+    def criterion(self):
+        return self._criterion_call
+
+    @property
+    def uses_pipeline(self) -> bool:
+        return False
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        return self.precision.loss_scale
+
+    # -- the step ------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        with self.precision.autocast():
+            return self._model(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear gradients, at the start of an accumulation window only."""
+        if self.window.at_start:
+            self.precision.zero_grad(self._model, self._optimizer, set_to_none=set_to_none)
+
+    def backward(self, loss: torch.Tensor):
+        """Backward of ``loss / window size``; gradients are synced only on the window's last micro-step."""
+        divisor, last = self.window.begin_backward()
+        if divisor != 1:
+            loss = loss / divisor
+        if last:
+            self.precision.backward(loss)
+        else:
+            with self.strategy.no_sync(self._model):
+                self.precision.backward(loss)
+        self.window.end_backward()
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor):
+        divisor, last = self.window.begin_backward()
+        if divisor != 1:
+            grad = grad / divisor
+        if last:
+            self.precision.backward_by_grad(tensor, grad)
+        else:
+            with self.strategy.no_sync(self._model):
+                self.precision.backward_by_grad(tensor, grad)
+        self.window.end_backward()
+
+    def step(self) -> bool:
+        """Update the parameters at the end of a window; True if they were updated."""
+        window = self.window
+        if not window.ready:
+            return False
+        self.strategy.reduce_gradients(self._model)
+        if window.correction != 1.0:
+            rescale_grads_(self._params, window.correction)
+        sink = self.event_sink
+        if self.measure_grad_norm:
+            self.precision.unscale_(self._optimizer)
+            self.grad_norm = self.strategy.clip_grad_norm_(self._params, self.clip_grad_norm)
+            if sink is not None:
+                sink.after_grad_norm(self.grad_norm)
+        if sink is not None:
+            sink.before_optimizer_step()
+        before = self.num_updates
+        self.precision.step(self._optimizer)
+        window.reset()
+        updated = self.num_updates != before
+        if sink is not None:
+            sink.after_optimizer_step(updated)
+        return updated
+
+    def execute_schedule(self, data_iter: Iterable, forward_only: bool = False, return_loss: bool = True,
+                         return_output_label: bool = True):
+        """Load the next batch, move it to the device, forward, loss and (unless ``forward_only``) backward.
+
+        Returns ``(output, label, loss)``; it does not call ``zero_grad`` or ``step``.
+        """
+        return self.schedule.forward_backward_step(self, data_iter, forward_only=forward_only, return_loss=return_loss,
+                                                   return_output_label=return_output_label)
+
+    def train(self):
+        self.training = True
+        self._model.train()
+
+    def eval(self):
+        self.training = False
+        self._model.eval()
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Model (without DDP prefixes), optimizer, loss scaler and accumulation counter."""
+        return {
+            "model": self.unwrapped_model.state_dict(),
+            "optimizer": self._optimizer.state_dict(),
+            "precision": self.precision.state_dict(),
+            "accumulation": self.window.state_dict(),
+            "num_updates": self.num_updates,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True):
+        from ..utils.checkpointing import load_model_state
+
+        load_model_state(self.unwrapped_model, state["model"], strict=strict)
+        if "optimizer" in state:
+            self._optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state.get("precision", {}))
+        if "accumulation" in state:
+            self.window.load_state_dict(state["accumulation"])
+        self.num_updates = int(state.get("num_updates", self.num_updates))
+
+
+class EngineLRScheduler:
+    """An LR scheduler that advances only after the engine really updated the parameters.
+
+    So with accumulation it moves once per update, and an fp16 step skipped for overflow
+    does not move it. Everything else is forwarded to the wrapped scheduler.
+    """
+
+    def __init__(self, lr_scheduler, engine: Engine):
+        self.__dict__["lr_scheduler"] = lr_scheduler
+        self.__dict__["_engine"] = engine
+        self.__dict__["_seen_updates"] = engine.num_updates
+
+    def step(self, *args, **kwargs):
+        updates = self._engine.num_updates
+        if updates == self._seen_updates:
+            return
+        self.__dict__["_seen_updates"] = updates
+        self.lr_scheduler.step(*args, **kwargs)
+
+    def state_dict(self):
+        return {"scheduler": self.lr_scheduler.state_dict(), "seen_updates": self._seen_updates}
+
+    def load_state_dict(self, state):
+        if "scheduler" in state and "seen_updates" in state:
+            self.lr_scheduler.load_state_dict(state["scheduler"])
+            self.__dict__["_seen_updates"] = int(state["seen_updates"])
+        else:  # a bare scheduler state
+            self.lr_scheduler.load_state_dict(state)
+
+    def get_last_lr(self):
+        return self.lr_scheduler.get_last_lr()
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["lr_scheduler"], name)
+
+    def __setattr__(self, name, value):
+        setattr(self.lr_scheduler, name, value)
+
+    def __repr__(self):
+        return f"EngineLRScheduler({self.lr_scheduler!r})"

@@ -1,0 +1,119 @@
+"""Data-parallel strategies: how the model is wrapped and how gradients meet.
+
+``SingleProcess`` (world size 1), ``DDPStrategy`` (torch DistributedDataParallel),
+``AllReduceStrategy`` (bucketed gradient all-reduce in ``engine.step``, the legacy
+``DataParallelGradientHandler``). Each gives ``setup``, ``no_sync``, ``reduce_gradients``,
+``clip_grad_norm_`` and ``unwrap``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def broadcast_module(module: nn.Module, src: int = 0):
+    """Make every rank hold rank ``src``'s parameters and buffers."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src)
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip to global L2 norm ``max_norm`` (0 = only measure); returns the norm as a device tensor, no host sync."""
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+
+class SingleProcess:
+    name = "single process"
+
+    def setup(self, model: nn.Module, optimizer):
+        return model, optimizer
+
+    def no_sync(self, model):
+        return contextlib.nullcontext()
+
+    def reduce_gradients(self, model: nn.Module):
+        pass
+
+    def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(parameters, max_norm)
+
+    @staticmethod
+    def unwrap(model: nn.Module) -> nn.Module:
+        while hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        return model
+
+    def state_dict_model(self, model):
+        return self.unwrap(model)
+
+
+class DDPStrategy(SingleProcess):
+    """torch ``DistributedDataParallel`` with the config's ``torch_ddp`` keyword arguments."""
+
+    name = "torch DDP"
+
+    def __init__(self, **ddp_kwargs):
+        self.ddp_kwargs = ddp_kwargs
+
+    def setup(self, model, optimizer):
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = None
+        for p in model.parameters():
+            if p.device.type == "cuda":
+                device_ids = [p.device.index]
+            break
+        return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs), optimizer
+
+    def no_sync(self, model):
+        return model.no_sync()
+
+
+class AllReduceStrategy(SingleProcess):
+    """Average gradients over ranks with bucketed all-reduces in ``engine.step`` (no DDP)."""
+
+    name = "gradient all-reduce (DataParallelGradientHandler)"
+
+    def __init__(self, bucket_size_mb: float = 25.0):
+        self.bucket_bytes = int(bucket_size_mb * 2**20)
+
+    def reduce_gradients(self, model):
+        world = dist.get_world_size()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        buckets: dict = {}
+        for g in grads:
+            buckets.setdefault((g.dtype, g.device), []).append(g)
+        for same in buckets.values():
+            bucket: List[torch.Tensor] = []
+            size = 0
+            for g in same:
+                bucket.append(g)
+                size += g.numel() * g.element_size()
+                if size >= self.bucket_bytes:
+                    self._reduce(bucket, world)
+                    bucket, size = [], 0
+            if bucket:
+                self._reduce(bucket, world)
+
+    @staticmethod
+    def _reduce(bucket: List[torch.Tensor], world: int):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        offset = 0
+        for g in bucket:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
+            offset += n

@@ -1,0 +1,163 @@
+"""``launch*``: validate the config, start the process group, pick the device, seed.
+
+The config is validated completely before any process group starts.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .context.config import Config
+from .context.validation import validate_config
+from .core.global_context import global_context as gpc
+from .logging import get_dist_logger
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def get_default_parser() -> argparse.ArgumentParser:
+    """The legacy command-line parser: --config --host --port --world_size --rank --local_rank --backend."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", type=str, help="path to the config file")
+    parser.add_argument("--host", type=str, help="the master address for distributed training")
+    parser.add_argument("--port", type=int, help="the master port for distributed training")
+    parser.add_argument("--world_size", type=int, help="world size for distributed training")
+    parser.add_argument("--rank", type=int, help="rank for the default process group")
+    parser.add_argument("--local_rank", type=int, help="local rank on the node")
+    parser.add_argument("--backend", type=str, default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
+    return parser
+
+
+def load_config(config: Union[str, Path, dict, Config, None]) -> Config:
+    """A path to a ``.py`` file, a dict or a Config -> a validated ``Config``."""
+    if config is None:
+        config = Config()
+    elif isinstance(config, (str, Path)):
+        config = Config.from_file(config)
+    elif isinstance(config, dict):
+        config = Config(config)
+    else:
+        raise TypeError(f"config must be a path to a .py file, a dict or a Config, got {type(config).__name__}")
+    validate_config(config)
+    return config
+
+
+def _init_method(host: str, port: int) -> str:
+    host = str(host).strip()
+    if ":" in host and not host.startswith("["):  # IPv6 literal
+        host = f"[{host}]"
+    return f"tcp://{host}:{int(port)}"
+
+
+def launch(config, rank: int, world_size: int, host: str, port: int, backend: Optional[str] = None,
+           local_rank: Optional[int] = None, seed: int = 1024, verbose: bool = True, timeout: Optional[float] = None):
+    """Start ``world_size`` processes' group at ``host:port`` as ``rank``; returns ``gpc``.
+
+    ``backend=None`` picks nccl with CUDA, gloo otherwise. ``timeout`` (seconds; default the
+    config's ``dist_timeout`` or 300) bounds the wait for missing peers.
+    """
+    cfg = load_config(config)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size): got rank={rank}, world_size={world_size}")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("backend='nccl' needs CUDA GPUs, but torch.cuda.is_available() is False; use backend='gloo' on CPU")
+    timeout = float(timeout if timeout is not None else cfg.get("dist_timeout", DEFAULT_TIMEOUT_S))
+    gpc._config = cfg
+    gpc.verbose = verbose
+    gpc._local_rank = local_rank if local_rank is not None else rank
+    if local_rank is None and torch.cuda.is_available():
+        gpc._local_rank = rank % torch.cuda.device_count()
+    device = gpc.set_device(gpc._local_rank)
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(f"a process group is already running with rank {dist.get_rank()} of {dist.get_world_size()}, "
+                               f"but launch was asked for rank {rank} of {world_size}; call gpc.destroy() first")
+    else:
+        kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        if backend == "nccl":
+            kwargs["device_id"] = device
+        if world_size == 1 and host is None:
+            kwargs["store"] = dist.HashStore()
+        else:
+            if host is None or port is None:
+                raise ValueError("launch needs host and port (the master's address) when world_size > 1")
+            kwargs["init_method"] = _init_method(host, port)
+        try:
+            dist.init_process_group(**kwargs)
+        except Exception as e:
+            where = kwargs.get("init_method", "an in-process store")
+            raise RuntimeError(
+                f"could not start the process group at {where} as rank {rank} of {world_size} within {timeout:g} s "
+                f"({type(e).__name__}: {e}). Check that all {world_size} processes were started, that "
+                f"MASTER_ADDR/MASTER_PORT (host/port) are the same for all of them and reachable, "
+                f"or raise the limit with launch(..., timeout=SECONDS) or dist_timeout in the config") from e
+        gpc._owns_group = True
+    gpc._launched = True
+    gpc.set_seed(seed)
+    if verbose:
+        get_dist_logger().info(
+            f"Distributed environment is initialized: world size {world_size}, data parallel size {world_size}, "
+            f"backend {backend}, device {device}, seed {seed}", ranks=[0])
+    return gpc
+
+
+def launch_from_torch(config, backend: Optional[str] = None, seed: int = 1024, verbose: bool = True,
+                      timeout: Optional[float] = None):
+    """Launch from the variables ``torch.distributed.run`` sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    Run as a plain ``python script.py`` (no such variables) it launches a single process.
+    """
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    present = [n for n in names if n in os.environ]
+    if not present:
+        load_config(config)  # validate first, as in every launch
+        if verbose:
+            get_dist_logger().info("No torchrun environment found (RANK, WORLD_SIZE, ...): running as a single process. "
+                                   "Use `python -m torch.distributed.run --nproc_per_node N script.py` for N processes.",
+                                   ranks=[0])
+        return launch(config, rank=0, world_size=1, host=None, port=None, backend=backend, local_rank=0,
+                      seed=seed, verbose=verbose, timeout=timeout)
+    missing = [n for n in names if n not in os.environ]
+    if missing:
+        raise RuntimeError(f"launch_from_torch: the torchrun environment is incomplete, missing {', '.join(missing)}. "
+                           f"Start the script with `python -m torch.distributed.run --nproc_per_node N script.py`")
+    return launch(config, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                  host=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), backend=backend,
+                  local_rank=int(os.environ["LOCAL_RANK"]), seed=seed, verbose=verbose, timeout=timeout)
+
+
+def _launch_from_env(kind: str, config, host, port, rank_var, size_var, local_var, backend, seed, verbose, timeout):
+    try:
+        rank, world_size = int(os.environ[rank_var]), int(os.environ[size_var])
+    except KeyError as e:
+        raise RuntimeError(f"Could not find {e} in the {kind} environment; start the script with the {kind} launcher "
+                           f"or use launch_from_torch with torchrun") from None
+    local_rank = int(os.environ[local_var]) if local_var and local_var in os.environ else None
+    return launch(config, rank=rank, world_size=world_size, host=host, port=port, backend=backend,
+                  local_rank=local_rank, seed=seed, verbose=verbose, timeout=timeout)
+
+
+def launch_from_slurm(config, host: str, port: int, backend: Optional[str] = None, seed: int = 1024,
+                      verbose: bool = True, timeout: Optional[float] = None):
+    """Launch from SLURM's SLURM_PROCID / SLURM_NPROCS (and SLURM_LOCALID when set)."""
+    return _launch_from_env("SLURM", config, host, port, "SLURM_PROCID", "SLURM_NPROCS", "SLURM_LOCALID",
+                            backend, seed, verbose, timeout)
+
+
+def launch_from_openmpi(config, host: str, port: int, backend: Optional[str] = None, seed: int = 1024,
+                        verbose: bool = True, timeout: Optional[float] = None):
+    """Launch from OpenMPI's OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK."""
+    return _launch_from_env("OpenMPI", config, host, port, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                            "OMPI_COMM_WORLD_LOCAL_RANK", backend, seed, verbose, timeout)
+
+
+__all__ = ["launch", "launch_from_torch", "launch_from_slurm", "launch_from_openmpi", "get_default_parser",
+           "load_config"]

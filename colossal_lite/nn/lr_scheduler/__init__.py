@@ -1,0 +1,18 @@
+"""Learning-rate schedulers of the legacy Colossal-AI API, stepped once per optimizer step.
+
+Each takes ``(optimizer, total_steps, ...)``; ``state_dict``/``load_state_dict`` restore them exactly,
+warm-up/delay ones included (the inner scheduler's state is saved inside the outer one).
+"""
+from ._base import DelayerScheduler, WarmupDelayerScheduler, WarmupScheduler
+from .cosine import CosineAnnealingLR, CosineAnnealingWarmupLR, FlatAnnealingLR, FlatAnnealingWarmupLR
+from .linear import LinearWarmupLR
+from .multistep import MultiStepLR, MultiStepWarmupLR
+from .onecycle import OneCycleLR
+from .poly import PolynomialLR, PolynomialWarmupLR
+from .torch_schedulers import ExponentialLR, LambdaLR, MultiplicativeLR, StepLR
+
+__all__ = [
+    "CosineAnnealingLR", "CosineAnnealingWarmupLR", "FlatAnnealingLR", "FlatAnnealingWarmupLR", "LinearWarmupLR",
+    "MultiStepLR", "MultiStepWarmupLR", "OneCycleLR", "PolynomialLR", "PolynomialWarmupLR", "LambdaLR",
+    "MultiplicativeLR", "StepLR", "ExponentialLR", "DelayerScheduler", "WarmupScheduler", "WarmupDelayerScheduler"
+]
