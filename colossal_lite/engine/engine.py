@@ -169,14 +169,22 @@ class Engine:
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """Model (without DDP prefixes), optimizer, loss scaler and accumulation counter."""
-        return {
+        """Model (without DDP prefixes), optimizer, loss scaler, accumulation counter.
+
+        Inside an accumulation window the gradients gathered so far are included, so a
+        resume mid-window continues exactly.
+        """
+        state = {
             "model": self.unwrapped_model.state_dict(),
             "optimizer": self._optimizer.state_dict(),
             "precision": self.precision.state_dict(),
             "accumulation": self.window.state_dict(),
             "num_updates": self.num_updates,
         }
+        if not self.window.at_start:
+            state["window_grads"] = [None if p.grad is None else p.grad.detach().clone()
+                                     for p in self.unwrapped_model.parameters()]
+        return state
 
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True):
         from ..utils.checkpointing import load_model_state
@@ -187,6 +195,13 @@ class Engine:
         self.precision.load_state_dict(state.get("precision", {}))
         if "accumulation" in state:
             self.window.load_state_dict(state["accumulation"])
+        grads = state.get("window_grads")
+        if grads is not None:
+            params = list(self.unwrapped_model.parameters())
+            if len(grads) != len(params):
+                raise ValueError(f"the saved accumulation gradients cover {len(grads)} parameters, the model has {len(params)}")
+            for p, g in zip(params, grads):
+                p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
         self.num_updates = int(state.get("num_updates", self.num_updates))
 
 
