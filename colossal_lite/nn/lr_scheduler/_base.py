@@ -6,22 +6,20 @@ Every scheduler here counts in optimizer steps: ``scheduler.step()`` is called o
 from __future__ import annotations
 
 import numbers
-from typing import Any, Dict, List, Sequence
+import warnings
+from typing import Any, Dict, List, Optional, Sequence
 
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 _WRAPPER_ATTRS = ("optim", "optimizer", "_optim", "_optimizer")
+_STEP_ORDER_WARNINGS = (r"Detected call of `lr_scheduler\.step\(\)` before", r"Seems like `optimizer\.step\(\)` has been")
 
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:
-    """The torch ``Optimizer`` behind ``optimizer``: itself, or the innermost wrapped one sharing its ``param_groups``.
-
-    Wrappers (AMP, ZeRO-style or legacy ``ColossalaiOptimizer``-like) are recognised when they keep the
-    inner optimizer in ``optim``/``optimizer``/``_optim``/``_optimizer`` and expose the very same
-    ``param_groups`` list, so an LR written by the scheduler is the LR the wrapper steps with.
-    """
+    """The torch ``Optimizer`` behind ``optimizer``: the innermost one (found via ``optim``/``optimizer``/``_optim``/
+    ``_optimizer``) whose ``param_groups`` is the very same list, else ``optimizer`` itself."""
     groups = _safe_getattr(optimizer, "param_groups")
     if groups is None:
         raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a wrapper of one exposing its param_groups), "
@@ -65,6 +63,7 @@ def check_int(name: str, value: Any, minimum: int) -> int:
 
 
 def check_total_steps(total_steps: Any) -> int:
+    """``total_steps`` (optimizer steps) as a positive int."""
     if isinstance(total_steps, bool) or not isinstance(total_steps, numbers.Integral):
         raise TypeError(f"total_steps must be a positive integer (optimizer steps), got {total_steps!r}")
     if total_steps <= 0:
@@ -73,14 +72,16 @@ def check_total_steps(total_steps: Any) -> int:
 
 
 def check_warmup_steps(warmup_steps: Any, total_steps: int) -> int:
+    """``warmup_steps`` (optimizer steps) as an int in ``[0, total_steps]``."""
     warmup_steps = check_int("warmup_steps", warmup_steps, 0)
     if warmup_steps > total_steps:
         raise ValueError(f"warmup_steps ({warmup_steps}) must not exceed total_steps ({total_steps})")
     return warmup_steps
 
 
-def check_number(name: str, value: Any, minimum: float = None, maximum: float = None,
+def check_number(name: str, value: Any, minimum: Optional[float] = None, maximum: Optional[float] = None,
                  max_inclusive: bool = True) -> float:
+    """``value`` as a real number within the bounds; ``TypeError``/``ValueError`` naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     if minimum is not None and value < minimum:
@@ -115,11 +116,8 @@ def apply_lrs(optimizer: Optimizer, lrs: Sequence[Any]) -> None:
 
 
 class ExactResumeMixin:
-    """``load_state_dict`` also writes the restored LRs back into the optimizer.
-
-    So a resumed run continues exactly even when the (chainable, ``group['lr']``-based) torch
-    formulas run on an optimizer whose state was not, or not yet, loaded.
-    """
+    """``load_state_dict`` also writes the restored LRs into the optimizer, so torch's ``group['lr']``-based
+    (chainable) formulas resume exactly even before or without loading the optimizer's state."""
 
     optimizer: Optimizer
 
@@ -131,11 +129,8 @@ class ExactResumeMixin:
 
 
 class _TwoStageScheduler(ExactResumeMixin, LRScheduler):
-    """Linear warm-up for ``warmup_epochs`` steps, a constant LR for ``delay_epochs`` steps, then ``after_scheduler``.
-
-    The inner scheduler starts from this scheduler's ``base_lrs`` at step ``warmup_epochs + delay_epochs``
-    (its step 0) and its state is saved inside this scheduler's ``state_dict``.
-    """
+    """Warm-up for ``warmup_epochs`` optimizer steps, base LR for ``delay_epochs`` steps, then ``after_scheduler``
+    (restarted from ``base_lrs`` as its step 0; its state is saved inside this scheduler's ``state_dict``)."""
 
     def __init__(self, optimizer, warmup_epochs: int, delay_epochs: int, after_scheduler: LRScheduler,
                  last_epoch: int = -1):
@@ -168,8 +163,13 @@ class _TwoStageScheduler(ExactResumeMixin, LRScheduler):
             self.finished = True
         elif inner.last_epoch > offset:  # stepped backwards with an explicit epoch
             self._restart_after_scheduler()
-        while inner.last_epoch < offset:  # normally one step; more only after an explicit epoch or last_epoch
-            inner.step()
+        if inner.last_epoch < offset:  # normally one step; more only after an explicit epoch or last_epoch
+            with warnings.catch_warnings():
+                # torch's step-order checks: this scheduler's own step() already ran them for the user's calls
+                for pattern in _STEP_ORDER_WARNINGS:
+                    warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
+                while inner.last_epoch < offset:
+                    inner.step()
         return list(inner.get_last_lr())
 
     def _restart_after_scheduler(self) -> None:

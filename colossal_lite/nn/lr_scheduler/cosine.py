@@ -3,8 +3,18 @@ from __future__ import annotations
 
 from torch.optim import lr_scheduler as _torch_sched
 
-from ._base import (DelayerScheduler, ExactResumeMixin, WarmupDelayerScheduler, WarmupScheduler, check_last_epoch,
-                    check_number, check_total_steps, check_warmup_steps, require_initial_lr, unwrap_optimizer)
+from ._base import (
+    DelayerScheduler,
+    ExactResumeMixin,
+    WarmupDelayerScheduler,
+    WarmupScheduler,
+    check_last_epoch,
+    check_number,
+    check_total_steps,
+    check_warmup_steps,
+    require_initial_lr,
+    unwrap_optimizer,
+)
 
 
 class CosineAnnealingLR(ExactResumeMixin, _torch_sched.CosineAnnealingLR):

@@ -5,8 +5,17 @@ from typing import List, Optional
 
 from torch.optim import lr_scheduler as _torch_sched
 
-from ._base import (ExactResumeMixin, WarmupScheduler, check_int, check_last_epoch, check_number, check_total_steps,
-                    check_warmup_steps, require_initial_lr, unwrap_optimizer)
+from ._base import (
+    ExactResumeMixin,
+    WarmupScheduler,
+    check_int,
+    check_last_epoch,
+    check_number,
+    check_total_steps,
+    check_warmup_steps,
+    require_initial_lr,
+    unwrap_optimizer,
+)
 
 
 def _check_milestones(milestones) -> List[int]:

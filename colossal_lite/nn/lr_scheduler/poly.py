@@ -5,8 +5,16 @@ from typing import Any, List
 
 from torch.optim.lr_scheduler import LRScheduler
 
-from ._base import (ExactResumeMixin, WarmupScheduler, check_last_epoch, check_number, check_total_steps,
-                    check_warmup_steps, require_initial_lr, unwrap_optimizer)
+from ._base import (
+    ExactResumeMixin,
+    WarmupScheduler,
+    check_last_epoch,
+    check_number,
+    check_total_steps,
+    check_warmup_steps,
+    require_initial_lr,
+    unwrap_optimizer,
+)
 
 
 class PolynomialLR(ExactResumeMixin, LRScheduler):
