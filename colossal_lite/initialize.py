@@ -50,7 +50,17 @@ def _build_optimizer(optimizer, model: nn.Module) -> torch.optim.Optimizer:
                     f"got {type(optimizer).__name__}")
 
 
-def _build_strategy(config, world_size: int):
+def _build_strategy(config, world_size: int, precision):
+    zero = config.get("zero")
+    if zero:
+        from .engine.zero import FSDPStrategy, ZeroStage1Strategy
+
+        if zero["stage"] == 1:
+            return ZeroStage1Strategy(**dict(config.get("torch_ddp") or {}))
+        return FSDPStrategy(stage=zero["stage"], shard_modules=zero.get("shard_modules"),
+                            offload_optimizer=bool(zero.get("offload_optimizer", False)),
+                            reshard_after_forward=zero.get("reshard_after_forward"),
+                            param_dtype=getattr(precision, "compute_dtype", None))
     handlers = config.get("gradient_handler")
     if world_size <= 1:
         return SingleProcess()
@@ -90,16 +100,13 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     device = gpc.device
     model = model.to(device)
     optimizer = _build_optimizer(optimizer, model)
-    if config.get("zero"):
-        from .context.config import ConfigException
-
-        raise ConfigException("zero=dict(stage=...) is not available in this version of colossal_lite yet; remove the key")
     world_size = gpc.get_world_size()
     broadcast_module(model)  # every rank starts from rank 0's parameters
 
     precision = build_precision(config.get("fp16"))
+    strategy = _build_strategy(config, world_size, precision)
+    precision.sharded_gradients = getattr(strategy, "shards_gradients", False)
     model, optimizer = precision.setup(model, optimizer)
-    strategy = _build_strategy(config, world_size)
     model, optimizer = strategy.setup(model, optimizer)
 
     accumulation = config.get("gradient_accumulation", 1) or 1

@@ -32,6 +32,8 @@ class FP32Precision:
 
     mode: Optional[AMP_TYPE] = None
     name = "fp32"
+    compute_dtype: Optional[torch.dtype] = None  # what FSDP2 should gather parameters in
+    sharded_gradients = False  # set by initialize when each rank holds only a shard of the gradients
 
     def setup(self, model: nn.Module, optimizer) -> Tuple[nn.Module, object]:
         return model, optimizer
@@ -74,6 +76,7 @@ class BF16Precision(FP32Precision):
 
     mode = AMP_TYPE.BF16
     name = "bf16"
+    compute_dtype = torch.bfloat16
 
     def __init__(self, device_type: str = "cpu"):
         self.device_type = device_type
@@ -91,6 +94,7 @@ class TorchAMPPrecision(FP32Precision):
 
     mode = AMP_TYPE.TORCH
     name = "torch_amp"
+    compute_dtype = torch.float16
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True):
@@ -102,7 +106,12 @@ class TorchAMPPrecision(FP32Precision):
 
     def setup(self, model, optimizer):
         self.device_type = _device_type(model)
-        self.scaler = torch.amp.GradScaler(self.device_type, **self.options)
+        if self.sharded_gradients:  # the overflow flag must be agreed by all ranks holding shards
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(self.device_type, **self.options)
+        else:
+            self.scaler = torch.amp.GradScaler(self.device_type, **self.options)
         return model, optimizer
 
     def autocast(self):

@@ -175,8 +175,8 @@ class Engine:
         resume mid-window continues exactly.
         """
         state = {
-            "model": self.unwrapped_model.state_dict(),
-            "optimizer": self._optimizer.state_dict(),
+            "model": self.strategy.model_state_dict(self._model),
+            "optimizer": self.strategy.optimizer_state_dict(self._model, self._optimizer),
             "precision": self.precision.state_dict(),
             "accumulation": self.window.state_dict(),
             "num_updates": self.num_updates,
@@ -187,11 +187,9 @@ class Engine:
         return state
 
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True):
-        from ..utils.checkpointing import load_model_state
-
-        load_model_state(self.unwrapped_model, state["model"], strict=strict)
+        self.strategy.load_model_state_dict(self._model, state["model"], strict=strict)
         if "optimizer" in state:
-            self._optimizer.load_state_dict(state["optimizer"])
+            self.strategy.load_optimizer_state_dict(self._model, self._optimizer, state["optimizer"])
         self.precision.load_state_dict(state.get("precision", {}))
         if "accumulation" in state:
             self.window.load_state_dict(state["accumulation"])

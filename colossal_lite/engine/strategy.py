@@ -55,8 +55,20 @@ class SingleProcess:
             model = model.module
         return model
 
-    def state_dict_model(self, model):
-        return self.unwrap(model)
+    # -- state (collectives where the state is sharded: every rank calls them) ----------------
+    def model_state_dict(self, model) -> dict:
+        return self.unwrap(model).state_dict()
+
+    def load_model_state_dict(self, model, state: dict, strict: bool = True):
+        from ..utils.checkpointing import load_model_state
+
+        load_model_state(self.unwrap(model), state, strict=strict)
+
+    def optimizer_state_dict(self, model, optimizer) -> dict:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, model, optimizer, state: dict):
+        optimizer.load_state_dict(state)
 
 
 class DDPStrategy(SingleProcess):
