@@ -113,7 +113,8 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     window = AccumulationWindow(accumulation)
     engine = Engine(model=model, optimizer=optimizer, criterion=criterion, precision=precision, strategy=strategy,
                     window=window, clip_grad_norm=config.get("clip_grad_norm", 0.0),
-                    schedule=NonPipelineSchedule(data_process_func), device=device)
+                    schedule=NonPipelineSchedule(data_process_func), device=device,
+                    grad_reduction=config.get("grad_reduction", "mean"))
     if train_dataloader is not None:
         train_dataloader = AccumulationDataLoader(train_dataloader, window)
     if lr_scheduler is not None:

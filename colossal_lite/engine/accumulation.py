@@ -111,7 +111,16 @@ class AccumulationDataLoader:
                 return
 
 
-def rescale_grads_(params, factor: float):
+def rescale_grads_(params, factor):
+    """Multiply every gradient by ``factor`` (a float or a 0-dim device tensor; None = 1)."""
+    if factor is None or (isinstance(factor, float) and factor == 1.0):
+        return
     grads = [p.grad for p in params if p.grad is not None]
-    if grads and factor != 1.0:
+    if not grads:
+        return
+    if isinstance(factor, torch.Tensor):
+        for g in grads:  # DTensor gradients: scale the local shard in place
+            local = g.to_local() if hasattr(g, "to_local") else g
+            local.mul_(factor.to(local.device))
+    else:
         torch._foreach_mul_(grads, factor)

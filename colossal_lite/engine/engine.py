@@ -30,7 +30,11 @@ class _Criterion:
             raise RuntimeError("engine.criterion was called but initialize() got no criterion; "
                                "pass criterion=torch.nn.CrossEntropyLoss() (or your loss) to initialize")
         with self._engine.precision.autocast():
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+        if isinstance(result, tuple) and len(result) == 2 and self._engine.grad_reduction == "per-token-mean":
+            loss_sum, num_tokens = result
+            return self._engine.token_loss(loss_sum, num_tokens)
+        return result
 
     @property
     def wrapped(self):
@@ -44,7 +48,7 @@ class Engine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, criterion=None, precision=None,
                  strategy=None, window: Optional[AccumulationWindow] = None, clip_grad_norm: float = 0.0,
                  schedule: Optional[NonPipelineSchedule] = None, device: Optional[torch.device] = None,
-                 gradient_handlers=None, verbose: bool = True):
+                 gradient_handlers=None, verbose: bool = True, grad_reduction: str = "mean"):
         self._model = model
         self._optimizer = optimizer
         self._criterion = criterion
@@ -59,6 +63,12 @@ class Engine:
         self.grad_norm: Optional[torch.Tensor] = None  # global L2 norm of the last update, on the device
         self.event_sink = None  # set by the Trainer: after_grad_norm / before_optimizer_step / after_optimizer_step
         self.measure_grad_norm = self.clip_grad_norm > 0
+        if grad_reduction not in ("mean", "sum", "per-token-mean"):
+            raise ValueError(f"grad_reduction must be 'mean', 'sum' or 'per-token-mean', got {grad_reduction!r}")
+        self.grad_reduction = grad_reduction
+        self._world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self._tokens: Optional[torch.Tensor] = None  # real tokens seen in the current window (per-token-mean)
+        self._micro_tokens: Optional[torch.Tensor] = None
         self._criterion_call = _Criterion(self)
         self._params = self.precision.master_params(optimizer)
         optimizer.register_step_post_hook(self._count_update)
@@ -103,10 +113,22 @@ class Engine:
         if self.window.at_start:
             self.precision.zero_grad(self._model, self._optimizer, set_to_none=set_to_none)
 
-    def backward(self, loss: torch.Tensor):
-        """Backward of ``loss / window size``; gradients are synced only on the window's last micro-step."""
+    def token_loss(self, loss_sum: torch.Tensor, num_tokens) -> torch.Tensor:
+        """Record a micro-batch's real-token count; returns its per-token mean loss (what ``backward`` takes)."""
+        n = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss_sum.device)
+        self._micro_tokens = n
+        return loss_sum / n.clamp(min=1)
+
+    def backward(self, loss: torch.Tensor, num_tokens=None):
+        """Backward of ``loss / window size``; gradients are synced only on the window's last micro-step.
+
+        With ``grad_reduction='sum'`` the loss is not divided; with ``'per-token-mean'`` the
+        micro-batch's token count (``num_tokens``, or the one the criterion reported) weighs it.
+        """
         divisor, last = self.window.begin_backward()
-        if divisor != 1:
+        if self.grad_reduction == "per-token-mean":
+            loss = self._weigh_by_tokens(loss, num_tokens)
+        elif divisor != 1 and self.grad_reduction == "mean":
             loss = loss / divisor
         if last:
             self.precision.backward(loss)
@@ -114,6 +136,29 @@ class Engine:
             with self.strategy.no_sync(self._model):
                 self.precision.backward(loss)
         self.window.end_backward()
+
+    def _weigh_by_tokens(self, loss, num_tokens):
+        n = self._micro_tokens if num_tokens is None else torch.as_tensor(num_tokens, dtype=torch.float32,
+                                                                          device=loss.device)
+        if n is None:
+            raise RuntimeError("grad_reduction='per-token-mean' needs each micro-batch's real-token count: let the "
+                               "criterion return (loss_sum, num_tokens) or call engine.backward(loss, num_tokens=n)")
+        self._micro_tokens = None
+        self._tokens = n if self._tokens is None else self._tokens + n
+        return loss * n  # back to the micro-batch's token sum; divided by the global count at step()
+
+    def _reduce_scale(self) -> Optional[torch.Tensor]:
+        """Factor turning the data-parallel mean of summed gradients into the chosen reduction."""
+        if self.grad_reduction == "sum":
+            return torch.tensor(float(self._world)) if self._world > 1 else None
+        if self.grad_reduction == "per-token-mean":
+            total = self._tokens if self._tokens is not None else torch.zeros((), device=self.device)
+            self._tokens = None
+            if self._world > 1:
+                total = total.clone()
+                torch.distributed.all_reduce(total)  # every rank: the global real-token count
+            return self._world / total.clamp(min=1)
+        return None
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor):
         divisor, last = self.window.begin_backward()
@@ -132,8 +177,10 @@ class Engine:
         if not window.ready:
             return False
         self.strategy.reduce_gradients(self._model)
-        if window.correction != 1.0:
+        if window.correction != 1.0 and self.grad_reduction == "mean":
             rescale_grads_(self._params, window.correction)
+        if self.grad_reduction != "mean":
+            rescale_grads_(self._params, self._reduce_scale())
         sink = self.event_sink
         if self.measure_grad_norm:
             self.precision.unscale_(self._optimizer)

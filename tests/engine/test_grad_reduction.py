@@ -1,0 +1,87 @@
+"""grad_reduction: 'sum' and 'per-token-mean' (padded token losses) across micro-batches."""
+import pytest
+import torch
+
+import colossal_lite
+
+VOCAB, PAD = 7, -100
+
+
+def token_batches():
+    """Micro-batches of padded sequences with very different numbers of real tokens."""
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for lengths in ([5, 1], [2, 2], [6, 3]):
+        x = torch.randn(len(lengths), 6, 4, generator=g)
+        y = torch.randint(0, VOCAB, (len(lengths), 6), generator=g)
+        for i, n in enumerate(lengths):
+            y[i, n:] = PAD
+        batches.append((x, y))
+    return batches
+
+
+def token_loss(logits, target):
+    """Sum of per-token losses and the count of real (non-pad) tokens."""
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), ignore_index=PAD,
+                                             reduction="sum")
+    return loss, (target != PAD).sum()
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, VOCAB)
+
+
+def test_per_token_mean_equals_the_mean_over_all_real_tokens(launched):
+    batches = token_batches()
+    launched(dict(gradient_accumulation=3, grad_reduction="per-token-mean"))
+    model = build()
+    engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5), token_loss, verbose=False)
+    engine.zero_grad()
+    for x, y in batches:
+        loss = engine.criterion(engine(x), y)  # the per-token mean of this micro-batch
+        engine.backward(loss)
+    assert engine.step() is True
+    # by hand: one mean over every real token of the three micro-batches
+    ref = build()
+    logits = torch.cat([ref(x).reshape(-1, VOCAB) for x, _ in batches])
+    target = torch.cat([y.reshape(-1) for _, y in batches])
+    torch.nn.functional.cross_entropy(logits, target, ignore_index=PAD).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.5 * p.grad
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    # and it differs from the mean of per-micro-batch means (the padding really matters here)
+    naive = build()
+    sum(torch.nn.functional.cross_entropy(naive(x).reshape(-1, VOCAB), y.reshape(-1), ignore_index=PAD)
+        for x, y in batches).div(3).backward()
+    assert not torch.allclose(naive.weight.grad, ref.weight.grad, atol=1e-4)
+
+
+def test_per_token_mean_without_a_count_is_a_clear_error(launched):
+    launched(dict(grad_reduction="per-token-mean"))
+    model = build()
+    engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                          lambda out, y: out.sum(), verbose=False)
+    with pytest.raises(RuntimeError, match="needs each micro-batch's real-token count"):
+        engine.backward(engine.criterion(engine(torch.randn(2, 4)), None))
+
+
+def test_sum_reduction_adds_micro_batch_gradients(launched):
+    batches = token_batches()
+    launched(dict(gradient_accumulation=3, grad_reduction="sum"))
+    model = build()
+    engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                          lambda o, y: token_loss(o, y)[0], verbose=False)
+    engine.zero_grad()
+    for x, y in batches:
+        engine.backward(engine.criterion(engine(x), y))
+    engine.step()
+    ref = build()
+    sum(token_loss(ref(x), y)[0] for x, y in batches).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
