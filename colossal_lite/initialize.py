@@ -110,11 +110,16 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     model, optimizer = strategy.setup(model, optimizer)
 
     accumulation = config.get("gradient_accumulation", 1) or 1
-    window = AccumulationWindow(accumulation)
+    auto = accumulation == "auto"
+    window = AccumulationWindow(1 if auto else accumulation)
     engine = Engine(model=model, optimizer=optimizer, criterion=criterion, precision=precision, strategy=strategy,
                     window=window, clip_grad_norm=config.get("clip_grad_norm", 0.0),
                     schedule=NonPipelineSchedule(data_process_func), device=device,
                     grad_reduction=config.get("grad_reduction", "mean"))
+    if auto:
+        from .engine.auto_batch import AutoMicroBatcher
+
+        engine.auto_batcher = AutoMicroBatcher(logger)
     if train_dataloader is not None:
         train_dataloader = AccumulationDataLoader(train_dataloader, window)
     if lr_scheduler is not None:

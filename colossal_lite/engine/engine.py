@@ -69,6 +69,7 @@ class Engine:
         self._world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self._tokens: Optional[torch.Tensor] = None  # real tokens seen in the current window (per-token-mean)
         self._micro_tokens: Optional[torch.Tensor] = None
+        self.auto_batcher = None  # an AutoMicroBatcher with gradient_accumulation='auto'
         self._criterion_call = _Criterion(self)
         self._params = self.precision.master_params(optimizer)
         optimizer.register_step_post_hook(self._count_update)
@@ -202,7 +203,13 @@ class Engine:
         """Load the next batch, move it to the device, forward, loss and (unless ``forward_only``) backward.
 
         Returns ``(output, label, loss)``; it does not call ``zero_grad`` or ``step``.
+        With ``gradient_accumulation='auto'`` a batch that runs out of memory is retried in more micro-batches.
         """
+        if self.auto_batcher is not None and not forward_only:
+            data, label = self.schedule.split(self.schedule.load_batch(data_iter, self.device))
+            self.window.begin_backward()
+            output, loss = self.auto_batcher.run(self, data, label)
+            return (output, label, loss) if return_output_label else (None, None, loss)
         return self.schedule.forward_backward_step(self, data_iter, forward_only=forward_only, return_loss=return_loss,
                                                    return_output_label=return_output_label)
 
