@@ -108,6 +108,9 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     precision.sharded_gradients = getattr(strategy, "shards_gradients", False)
     model, optimizer = precision.setup(model, optimizer)
     model, optimizer = strategy.setup(model, optimizer)
+    compile_cfg = config.get("compile")
+    if compile_cfg:
+        model = torch.compile(model, **({} if compile_cfg is True else dict(compile_cfg)))
 
     accumulation = config.get("gradient_accumulation", 1) or 1
     auto = accumulation == "auto"
@@ -116,6 +119,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
                     window=window, clip_grad_norm=config.get("clip_grad_norm", 0.0),
                     schedule=NonPipelineSchedule(data_process_func), device=device,
                     grad_reduction=config.get("grad_reduction", "mean"))
+    engine._compile_pending = bool(compile_cfg)
     if auto:
         from .engine.auto_batch import AutoMicroBatcher
 

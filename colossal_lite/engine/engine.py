@@ -70,6 +70,8 @@ class Engine:
         self._tokens: Optional[torch.Tensor] = None  # real tokens seen in the current window (per-token-mean)
         self._micro_tokens: Optional[torch.Tensor] = None
         self.auto_batcher = None  # an AutoMicroBatcher with gradient_accumulation='auto'
+        self._compile_pending = False  # True until the first forward of a torch.compile'd model
+        self.compile_time_s: Optional[float] = None
         self._criterion_call = _Criterion(self)
         self._params = self.precision.master_params(optimizer)
         optimizer.register_step_post_hook(self._count_update)
@@ -106,8 +108,24 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if self._compile_pending:
+            return self._first_compiled_call(*args, **kwargs)
         with self.precision.autocast():
             return self._model(*args, **kwargs)
+
+    def _first_compiled_call(self, *args, **kwargs):
+        import time
+
+        from ..logging import get_dist_logger
+
+        start = time.perf_counter()
+        with self.precision.autocast():
+            out = self._model(*args, **kwargs)
+        self._compile_pending = False
+        self.compile_time_s = time.perf_counter() - start
+        get_dist_logger().info(f"torch.compile: the first forward took {self.compile_time_s:.1f} s (compilation)",
+                               ranks=[0])
+        return out
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear gradients, at the start of an accumulation window only."""

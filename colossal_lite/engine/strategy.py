@@ -51,9 +51,14 @@ class SingleProcess:
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:
-        while hasattr(model, "module") and isinstance(model.module, nn.Module):
-            model = model.module
-        return model
+        """The user's module inside torch.compile and DDP wrappers."""
+        while True:
+            inner = getattr(model, "_orig_mod", None)
+            if not isinstance(inner, nn.Module):
+                inner = getattr(model, "module", None)
+            if not isinstance(inner, nn.Module) or isinstance(model, nn.ModuleList):
+                return model
+            model = inner
 
     # -- state (collectives where the state is sharded: every rank calls them) ----------------
     def model_state_dict(self, model) -> dict:

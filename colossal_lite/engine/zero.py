@@ -135,7 +135,8 @@ class FSDPStrategy(SingleProcess):
 
     @staticmethod
     def unwrap(model):
-        return model
+        inner = getattr(model, "_orig_mod", None)  # torch.compile around the FSDP2 module
+        return inner if isinstance(inner, nn.Module) else model
 
     @staticmethod
     def _full_options():
