@@ -69,11 +69,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub.add_parser("info", help="versions of Python, torch, CUDA/NCCL, CPUs, GPUs and extras")
     p = sub.add_parser("check", help="validate a config file and explain the features it switches on")
     p.add_argument("config", help="path to a config .py file")
+    from .checkpoint import cli as ckpt_cli
+
+    ckpt_cli.register(sub)
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
     if args.command == "check":
         return _check(args.config)
+    if args.command == "ckpt":
+        return ckpt_cli.run(args)
     return 2
 
 

@@ -1,10 +1,15 @@
-"""Model state loading with a readable report of what does not match."""
+"""Model state loading with a readable report of what does not match, and the legacy
+``save_checkpoint``/``load_checkpoint`` single-file API (optimizer and scheduler state included)."""
 from __future__ import annotations
 
-from typing import Dict
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
+
+__all__ = ["load_model_state", "save_checkpoint", "load_checkpoint"]
 
 
 def _strip_prefix(state: Dict[str, torch.Tensor], prefix: str = "module.") -> Dict[str, torch.Tensor]:
@@ -40,3 +45,95 @@ def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], strict: b
         raise RuntimeError("the checkpoint does not match the model:\n  " + "\n  ".join(parts))
     model.load_state_dict(state, strict=False)
     return missing, unexpected
+
+
+# -- legacy single-file checkpoints ----------------------------------------------------------------
+def _unwrap(model: nn.Module) -> nn.Module:
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+_RESERVED = ("epoch", "model", "optimizer", "lr_scheduler", "colossal_lite")
+
+
+def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                    lr_scheduler=None, **kwargs) -> Optional[Path]:
+    """Save ``epoch``, the model weights and (unlike legacy Colossal-AI) the optimizer and scheduler state to ``file``.
+
+    Written by global rank 0 only, atomically (temp file, fsync, rename), so an interrupted save
+    leaves the previous ``file`` intact. The model may be DDP-wrapped or not: the weights are stored
+    without the ``module.`` prefix. ``kwargs`` are stored too and must be tensors or plain values.
+    The file is a plain dict, readable with ``torch.load(file, weights_only=True)``. Returns the
+    path on rank 0, ``None`` elsewhere; call ``colossal_lite.utils.barrier()`` before other ranks read it.
+    """
+    from .._version import __version__
+    from ..checkpoint.io import CheckpointWriteError, atomic_save
+    from ..core.global_context import global_context as gpc
+
+    clash = sorted(set(kwargs) & set(_RESERVED))
+    if clash:
+        raise ValueError(f"save_checkpoint(**kwargs) cannot use the names {clash}: they hold the checkpoint itself")
+    if gpc.get_global_rank() != 0:
+        return None
+    state: Dict[str, Any] = {"epoch": int(epoch), "model": _unwrap(model).state_dict()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    if lr_scheduler is not None:
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    state.update(kwargs)
+    state["colossal_lite"] = {"version": __version__, "torch_version": torch.__version__}
+    path = Path(file)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointWriteError(f"could not write checkpoint {path}: cannot create its folder {path.parent} "
+                                   f"({e.strerror or e})") from e
+    return atomic_save(state, path)
+
+
+def _load_scheduler(lr_scheduler, state):
+    # a state saved from an engine-wrapped scheduler, loaded into a bare one (or the other way round)
+    wrapped = isinstance(state, dict) and set(state) == {"scheduler", "seen_updates"}
+    if wrapped and "_engine" not in vars(lr_scheduler):  # not an EngineLRScheduler
+        state = state["scheduler"]
+    lr_scheduler.load_state_dict(state)
+
+
+def load_checkpoint(file, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler=None,
+                    strict: bool = True) -> int:
+    """Load a ``save_checkpoint`` file into ``model`` (DDP-wrapped or not) and, when given, ``optimizer`` and
+    ``lr_scheduler``; returns the stored epoch (-1 if the file has none). Every rank calls it and reads ``file``.
+
+    The file is read with ``torch.load(weights_only=True)``: one carrying other pickled objects is
+    refused and nothing in it runs. A model that does not match raises listing the missing and
+    unexpected keys and the shape mismatches (missing/unexpected keys are allowed with ``strict=False``).
+    """
+    from ..checkpoint.io import CheckpointError, load_file
+
+    path = Path(file)
+    state = load_file(path)
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        found = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{path} is not a save_checkpoint file: it has no 'model' entry (found {found})")
+    try:
+        load_model_state(model, state["model"], strict=strict)
+    except RuntimeError as e:
+        raise RuntimeError(f"cannot load {path} into the model: {e}") from None
+    for name, target in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
+        if target is None:
+            continue
+        if name not in state:
+            warnings.warn(f"{path} holds no {name} state (saved without one, or by legacy Colossal-AI); "
+                          f"the {name} was left as it is", stacklevel=2)
+            continue
+        try:
+            if name == "optimizer":
+                target.load_state_dict(state[name])
+            else:
+                _load_scheduler(target, state[name])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cannot load the {name} state of {path} into this {name} "
+                             f"({type(target).__name__}): {e}") from e
+    epoch = state.get("epoch", -1)
+    return int(epoch) if isinstance(epoch, (int, float)) else -1

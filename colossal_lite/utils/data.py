@@ -1,21 +1,29 @@
-"""``get_dataloader`` and the data-parallel sampler."""
+"""``get_dataloader``, the data-parallel sampler and resuming the data order mid-epoch."""
 from __future__ import annotations
 
 import math
 import random
-from typing import Iterator, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from ..core.global_context import global_context as gpc
 
 
 class DataParallelSampler(Sampler):
-    """Gives each rank its own equal share of the dataset (padded by repeating).
+    """Gives each rank its own equal share of the dataset (padded by repeating) and can resume mid-epoch.
 
     With ``shuffle`` the order is drawn from ``seed + epoch``; ``epoch`` moves on by itself
     at every new iteration, so no ``set_epoch`` call is needed (``set_epoch`` still works).
+
+    ``state_dict()`` is ``{'epoch', 'offset'}``: the epoch whose order is in use and how many of
+    this rank's samples of it were consumed. After ``load_state_dict`` the next iteration yields
+    that epoch's order from ``offset`` on, without touching the skipped samples, and ``len()``
+    is the number of samples that iteration yields (``num_samples`` is always the full epoch).
+    The count is exact when the sampler feeds a ``ResumableDataLoader`` (what ``get_dataloader``
+    returns), which reports the batches it really handed out; otherwise it counts the indices
+    handed out, which a DataLoader with workers fetches ahead of use.
     """
 
     def __init__(self, dataset: Dataset, shuffle: bool = False, seed: int = 0, drop_last: bool = False,
@@ -28,6 +36,13 @@ class DataParallelSampler(Sampler):
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
         self._epoch_set = False
+        self._iterated = False
+        self._pending: Optional[int] = None  # offset the next iteration starts at (after load_state_dict)
+        self._iteration = 0  # id of the latest iteration
+        self._active = False  # the latest iteration has not finished
+        self._start = 0  # offset the latest iteration started at
+        self._consumed = 0  # samples of the latest iteration's epoch consumed so far (offset included)
+        self._counted_by_loader = False
         n = len(dataset)
         if drop_last and n % self.num_replicas:
             self.num_samples = n // self.num_replicas
@@ -36,6 +51,8 @@ class DataParallelSampler(Sampler):
         self.total_size = self.num_samples * self.num_replicas
 
     def set_epoch(self, epoch: int):
+        if self._pending is not None and epoch != self.epoch:
+            self._pending = None  # a different epoch than the one a resume pointed at: start it at 0
         self.epoch = epoch
         self._epoch_set = True
 
@@ -53,15 +70,173 @@ class DataParallelSampler(Sampler):
             idx += (idx * math.ceil(pad / max(len(idx), 1)))[:pad]
         return idx[self.rank: self.total_size: self.num_replicas]
 
+    def next_epoch(self) -> int:
+        """The epoch whose order the next iteration will yield."""
+        if self._epoch_set or not self._iterated:
+            return self.epoch
+        return self.epoch + 1
+
     def __iter__(self) -> Iterator[int]:
-        if not self._epoch_set and getattr(self, "_iterated", False):
-            self.epoch += 1
+        self.epoch = self.next_epoch()
         self._iterated = True
         self._epoch_set = False
-        return iter(self.indices(self.epoch))
+        start = self._pending or 0
+        self._pending = None
+        self._iteration += 1
+        self._active = True
+        self._start = self._consumed = start
+        return self._yield(self.indices(self.epoch)[start:], self._iteration)
+
+    def _yield(self, indices, iteration: int) -> Iterator[int]:
+        for i in indices:
+            if iteration == self._iteration and not self._counted_by_loader:
+                self._consumed += 1
+            yield i
+        if iteration == self._iteration and not self._counted_by_loader:
+            self._active = False
 
     def __len__(self) -> int:
+        if self._pending is not None:
+            return self.num_samples - self._pending
+        if self._active:
+            return self.num_samples - self._start
         return self.num_samples
+
+    # -- resuming --------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, int]:
+        """``{'epoch', 'offset'}``: where the data order stands (an epoch fully consumed reads as the next one at 0)."""
+        if self._pending is not None:
+            epoch, offset = self.epoch, self._pending
+        elif self._active:
+            epoch, offset = self.epoch, self._consumed
+        else:
+            epoch, offset = self.next_epoch(), 0
+        if offset >= self.num_samples:
+            epoch, offset = epoch + 1, 0
+        return {"epoch": int(epoch), "offset": int(offset)}
+
+    def load_state_dict(self, state: Dict[str, int]):
+        """Make the next iteration yield epoch ``state['epoch']``'s order from ``state['offset']`` on."""
+        try:
+            epoch, offset = int(state["epoch"]), int(state["offset"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"a DataParallelSampler state is {{'epoch': int, 'offset': int}}, got {state!r}") from None
+        if epoch < 0 or offset < 0:
+            raise ValueError(f"sampler state must have epoch >= 0 and offset >= 0, got {state!r}")
+        if offset >= self.num_samples:
+            epoch, offset = epoch + 1, 0
+        self.epoch = epoch
+        self._epoch_set = True
+        self._pending = offset or None
+        self._active = False
+        self._iteration += 1  # an iteration still running no longer counts
+
+    def _finish(self, iteration: int):
+        if iteration == self._iteration:
+            self._consumed = self.num_samples
+            self._active = False
+
+
+class _CountingIterator:
+    """Tells the sampler how many samples the loader really handed out (workers fetch ahead)."""
+
+    def __init__(self, it, sampler: DataParallelSampler, batch_size: int, drop_last: bool):
+        self._it, self._sampler, self._batch_size, self._drop_last = it, sampler, batch_size, drop_last
+        self._before = sampler._iteration
+        self._iteration: Optional[int] = None
+        self._delivered = 0
+        self._total = 0
+
+    def __iter__(self):
+        return self
+
+    def __len__(self):
+        return len(self._it)
+
+    def __getattr__(self, name):
+        return getattr(self._it, name)
+
+    def __next__(self):
+        sampler = self._sampler
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            if self._iteration is not None:
+                sampler._finish(self._iteration)
+            elif sampler._iteration != self._before:
+                sampler._finish(sampler._iteration)
+            raise
+        if self._iteration is None:
+            self._iteration = sampler._iteration
+            n = sampler.num_samples - sampler._start
+            self._total = n // self._batch_size if self._drop_last else math.ceil(n / self._batch_size)
+        if self._iteration == sampler._iteration:
+            self._delivered += 1
+            sampler._consumed = min(sampler._start + self._delivered * self._batch_size, sampler.num_samples)
+            if self._delivered >= self._total:
+                sampler._finish(self._iteration)
+        return batch
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over a ``DataParallelSampler`` whose position can be saved and restored.
+
+    ``state_dict()`` holds the sampler's ``{'epoch', 'offset'}`` (offset = samples of this rank
+    consumed, counted from the batches really handed out) and the state of the loader's
+    ``generator`` as it was when the current epoch began (it seeds the workers), so after
+    ``load_state_dict`` the next iteration continues where the saved one stood.
+    """
+
+    def __iter__(self):
+        if self.generator is not None:  # each iteration draws the workers' base seed from it
+            self._generator_at_epoch_start = self.generator.get_state()
+        it = super().__iter__()
+        sampler = self.sampler
+        if not isinstance(sampler, DataParallelSampler) or self.batch_size is None:
+            return it
+        sampler._counted_by_loader = True
+        return _CountingIterator(it, sampler, self.batch_size, self.drop_last)
+
+    def state_dict(self) -> Dict[str, Any]:
+        sampler = self.sampler
+        if not isinstance(sampler, DataParallelSampler):
+            raise TypeError(f"ResumableDataLoader.state_dict needs a DataParallelSampler, this one has "
+                            f"{type(sampler).__name__}")
+        state: Dict[str, Any] = {"sampler": sampler.state_dict()}
+        if self.generator is not None:
+            mid_epoch = sampler._active and sampler.state_dict()["epoch"] == sampler.epoch
+            saved = getattr(self, "_generator_at_epoch_start", None)
+            state["generator"] = saved if (mid_epoch and saved is not None) else self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]):
+        self.sampler.load_state_dict(state["sampler"])
+        if "generator" in state and self.generator is not None:
+            self.generator.set_state(state["generator"])
+
+
+def batches_per_epoch(loader) -> int:
+    """Batches in a whole epoch of ``loader``, whatever its resume state (``len(loader)`` is what the
+    current or next iteration yields, shorter right after resuming mid-epoch)."""
+    sampler = getattr(loader, "sampler", None)
+    batch_size = getattr(loader, "batch_size", None)
+    if not isinstance(sampler, DataParallelSampler) or not batch_size:
+        return len(loader)
+    n = sampler.num_samples
+    return n // batch_size if getattr(loader, "drop_last", False) else math.ceil(n / batch_size)
+
+
+def skip_batches(loader, n_batches: int):
+    """Make the next iteration of ``loader`` (from ``get_dataloader``) start ``n_batches`` batches into its epoch.
+
+    The skipped samples are not loaded. Sets the sampler offset to ``n_batches * batch_size``.
+    """
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DataParallelSampler):
+        raise TypeError(f"skip_batches needs a loader whose sampler is a DataParallelSampler (from get_dataloader); "
+                        f"this one has {type(sampler).__name__}")
+    batch_size = getattr(loader, "batch_size", None) or 1
+    sampler.load_state_dict({"epoch": sampler.next_epoch(), "offset": int(n_batches) * batch_size})
 
 
 def seed_worker(worker_id: int):
@@ -77,19 +252,25 @@ def seed_worker(worker_id: int):
 
 def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, add_sampler: bool = True,
                    drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0, **kwargs) -> DataLoader:
-    """A DataLoader that shards ``dataset`` across data-parallel ranks when the world size is > 1.
+    """A DataLoader that shards ``dataset`` across data-parallel ranks (one share per rank; the whole
+    dataset with one process) in an order that changes every epoch and is reproducible from ``seed``.
 
-    Each worker of each rank gets its own seed, reproducible from ``seed``.
+    With ``add_sampler`` (the default) it is a ``ResumableDataLoader`` over a ``DataParallelSampler``,
+    whose ``state_dict``/``load_state_dict`` let a run continue mid-epoch. Each worker of each rank
+    gets its own seed, reproducible from ``seed``.
     """
     rank = gpc.get_global_rank()
+    world_size = gpc.get_world_size()
     generator = torch.Generator()
     generator.manual_seed(seed + 104729 * rank)
     kwargs.setdefault("worker_init_fn", seed_worker)
-    if add_sampler and gpc.get_world_size() > 1:
-        if "sampler" in kwargs:
-            raise ValueError("get_dataloader(sampler=...) conflicts with add_sampler=True; pass add_sampler=False to use your own")
-        sampler = DataParallelSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        return DataLoader(dataset, sampler=sampler, drop_last=drop_last, pin_memory=pin_memory,
-                          num_workers=num_workers, generator=generator, **kwargs)
+    if add_sampler and world_size > 1 and "sampler" in kwargs:
+        raise ValueError("get_dataloader(sampler=...) conflicts with add_sampler=True; pass add_sampler=False to use your own")
+    own_order = "sampler" in kwargs or "batch_sampler" in kwargs or isinstance(dataset, IterableDataset)
+    if add_sampler and (world_size > 1 or not own_order):
+        sampler = DataParallelSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                      num_replicas=world_size, rank=rank)
+        return ResumableDataLoader(dataset, sampler=sampler, drop_last=drop_last, pin_memory=pin_memory,
+                                   num_workers=num_workers, generator=generator, **kwargs)
     return DataLoader(dataset, shuffle=shuffle, drop_last=drop_last, pin_memory=pin_memory, num_workers=num_workers,
                       generator=generator, **kwargs)

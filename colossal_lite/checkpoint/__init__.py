@@ -1,0 +1,32 @@
+"""Checkpoints that resume exactly, survive crashes and refuse tampered files.
+
+``CheckpointManager`` writes one folder per checkpoint atomically (every rank takes part) and keeps
+``last``/``best`` pointers and a retention policy; ``capture_rng_state``/``restore_rng_state`` carry
+the random state; ``checkpoint_info`` summarises a checkpoint. See ``docs/checkpoints.md``.
+"""
+from .io import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    UnsafeCheckpointError,
+    UnsupportedValueError,
+    atomic_save,
+    load_file,
+    to_plain,
+)
+from .manager import (
+    CheckpointManager,
+    checkpoint_info,
+    checkpoint_name,
+    model_state_from,
+    read_checkpoint,
+    remove_leftovers,
+)
+from .rng import capture_rng_state, restore_rng_state
+
+__all__ = [
+    "CheckpointManager", "checkpoint_info", "checkpoint_name", "model_state_from", "read_checkpoint",
+    "remove_leftovers", "capture_rng_state", "restore_rng_state", "atomic_save", "load_file", "to_plain",
+    "CheckpointError", "CheckpointNotFoundError", "CheckpointWriteError", "UnsafeCheckpointError",
+    "UnsupportedValueError",
+]

@@ -1,0 +1,117 @@
+"""``colossal-lite ckpt info PATH`` and ``colossal-lite ckpt export PATH OUT``.
+
+``register(subparsers)`` adds the ``ckpt`` command to a parser; ``run(args)`` executes it. Also
+runnable alone: ``python -m colossal_lite.checkpoint.cli info PATH``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add ``ckpt info`` and ``ckpt export`` to ``subparsers`` (from ``parser.add_subparsers()``)."""
+    p = subparsers.add_parser("ckpt", help="inspect a checkpoint or export its model weights",
+                              description="Inspect a checkpoint or export its model weights.")
+    sub = p.add_subparsers(dest="ckpt_command", required=True)
+    info = sub.add_parser("info", help="what a checkpoint holds: epoch, step, metrics, config summary, sizes")
+    info.add_argument("path", help="a checkpoint folder, a last/best pointer, a checkpoint directory (shows its "
+                                   "last) or a save_checkpoint file")
+    export = sub.add_parser("export", help="write the bare model weights (a state_dict) for inference")
+    export.add_argument("path", help="a checkpoint folder, pointer, checkpoint directory or save_checkpoint file")
+    export.add_argument("out", help="output file, loadable with torch.load(out, weights_only=True)")
+    return p
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _short(value: Any, width: int = 70) -> str:
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_info(info: Dict[str, Any]) -> str:
+    """The text ``ckpt info`` prints."""
+    lines = [f"checkpoint: {info['path']}" + (f"  ({', '.join(info['pointers'])})" if info.get("pointers") else "")]
+    lines.append(f"  epoch: {info.get('epoch')}   step: {info.get('step')}")
+    metrics = info.get("metrics") or {}
+    lines.append("  metrics: " + (", ".join(f"{k}={_short(v, 30)}" for k, v in metrics.items()) or "none"))
+    version = info.get("version") or "unknown"
+    lines.append(f"  written by: colossal_lite {version}, torch {info.get('torch_version') or 'unknown'}"
+                 + (f", {info['world_size']} rank(s)" if info.get("world_size") else "")
+                 + (f", {info['created_utc']} UTC" if info.get("created_utc") else ""))
+    config = info.get("config")
+    if isinstance(config, dict) and config:
+        lines.append("  config:")
+        for k, v in config.items():
+            lines.append(f"    {k} = {_short(v)}")
+    else:
+        lines.append("  config: none recorded")
+    lines.append(f"  files ({_size(info['total_bytes'])} in all):")
+    for name, n in info["files"].items():
+        lines.append(f"    {name:<16} {_size(n):>10}")
+    entries = info.get("entries") or {}
+    if entries:
+        lines.append("  tensor data by entry:")
+        for name, n in entries.items():
+            lines.append(f"    {name:<16} {_size(n):>10}")
+    return "\n".join(lines)
+
+
+def _info(path: str) -> int:
+    from .manager import checkpoint_info
+
+    print(format_info(checkpoint_info(path)))
+    return 0
+
+
+def _export(path: str, out: str) -> int:
+    from ..utils.checkpointing import _strip_prefix
+    from .io import atomic_save, load_file, tensor_bytes
+    from .manager import SHARED_FILE, is_single_file, model_state_from, resolve_path
+
+    p = Path(path)
+    if is_single_file(p):
+        state = load_file(p)
+        if not isinstance(state, dict):
+            raise ValueError(f"{p} does not hold a checkpoint dict")
+    else:
+        state = load_file(resolve_path(p) / SHARED_FILE)
+    weights = _strip_prefix(dict(model_state_from(state)))
+    atomic_save(weights, out)
+    print(f"wrote {len(weights)} tensors ({_size(tensor_bytes(weights))}) to {out}; load them with "
+          f"model.load_state_dict(torch.load({str(out)!r}, weights_only=True))")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed ``ckpt`` command; prints a one-line error and returns 1 when it fails."""
+    from .io import CheckpointError
+
+    try:
+        if args.ckpt_command == "info":
+            return _info(args.path)
+        if args.ckpt_command == "export":
+            return _export(args.path, args.out)
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 2
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="colossal-lite")
+    register(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""Safe, atomic reading and writing of checkpoint files.
+
+Only tensors and plain Python values are written (``to_plain`` checks and converts), and every
+read goes through ``torch.load(..., weights_only=True, map_location="cpu")``, so loading a file
+never runs code from it. Writes go to a temporary name in the same folder, are flushed and
+fsynced, and then renamed into place, so a reader sees either the old file or the new one.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import errno
+import json
+import os
+import pickle
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Union
+
+import torch
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+TMP_PREFIX = ".tmp-"  # an unfinished write; removed (or ignored) later
+DEL_PREFIX = ".del-"  # a checkpoint being deleted by the retention policy
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the path and the reason."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing a checkpoint failed (unwritable folder, full disk...); earlier checkpoints are untouched."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The requested checkpoint (path, ``last`` or ``best`` pointer) does not exist."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A file holds objects other than tensors and plain values; it was refused and nothing in it ran."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value handed to a checkpoint is neither a tensor nor a plain Python value."""
+
+
+# -- plain values ------------------------------------------------------------------------------
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device, torch.Size)
+
+
+def _convert_leaf(obj: Any) -> Any:
+    """A storable replacement for a well-known non-plain leaf, or ``_NO``."""
+    if isinstance(obj, enum.Enum):
+        value = obj.value
+        return value if isinstance(value, (str, int, float, bool)) else obj.name
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    module = type(obj).__module__
+    if module == "numpy":
+        import numpy as np
+
+        if isinstance(obj, np.ndarray):
+            if obj.dtype == np.uint32:  # torch has no full uint32 support: widen
+                obj = obj.astype(np.int64)
+            return torch.from_numpy(obj.copy())
+        if isinstance(obj, np.generic):
+            return obj.item()
+    return _NO
+
+
+_NO = object()
+
+
+def _where(path: str) -> str:
+    return path or "the value"
+
+
+def to_plain(obj: Any, path: str = "") -> Any:
+    """``obj`` with only tensors, plain Python values and ``dict``/``list``/``tuple``/``set`` left.
+
+    Enums become their values, ``Config`` and other dict subclasses plain dicts (``OrderedDict``
+    kept), named tuples plain tuples, NumPy arrays tensors and NumPy scalars numbers. Anything
+    else raises ``UnsupportedValueError`` naming where it sits (``path``). Containers that need
+    no change are returned as they are (so a model ``state_dict`` keeps its metadata).
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, enum.Enum):  # before _LEAVES: an IntEnum is an int, but pickles as its class
+        return _convert_leaf(obj)
+    if isinstance(obj, _LEAVES):
+        if type(obj) in _LEAVES:
+            return obj
+        # a subclass of a plain type (e.g. a str subclass) pickles as its own class: use the base
+        for base in _LEAVES:
+            if isinstance(obj, base):
+                return base(obj)
+    if isinstance(obj, dict):
+        items = []
+        changed = type(obj) not in (dict, collections.OrderedDict)
+        for k, v in obj.items():
+            k2 = to_plain(k, f"{path} key {k!r}")
+            v2 = to_plain(v, f"{path}[{k!r}]")
+            changed = changed or k2 is not k or v2 is not v
+            items.append((k2, v2))
+        if not changed:
+            return obj
+        return collections.OrderedDict(items) if isinstance(obj, collections.OrderedDict) else dict(items)
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        vals = [to_plain(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        if type(obj) in (list, tuple, set) and all(a is b for a, b in zip(vals, obj)):
+            return obj
+        if isinstance(obj, (set, frozenset)):
+            return set(vals)
+        return vals if isinstance(obj, list) else tuple(vals)
+    converted = _convert_leaf(obj)
+    if converted is not _NO:
+        return converted
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    hint = ("give it a state_dict() that returns tensors and plain values and store that"
+            if not callable(obj) else "store a name or the value it computes instead of the callable")
+    raise UnsupportedValueError(f"cannot store {_where(path)} in a checkpoint: a {kind} is not a tensor or a plain "
+                                f"Python value (None, bool, int, float, str, bytes, list, tuple, dict); {hint}")
+
+
+def to_jsonable(obj: Any, depth: int = 0) -> Any:
+    """A JSON-friendly summary of ``obj`` (for metadata): unknown objects become their ``repr``."""
+    if depth > 20:
+        return "..."
+    if isinstance(obj, enum.Enum):
+        return _convert_leaf(obj)
+    if isinstance(obj, (bool, int, float, str)) or obj is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.item() if obj.numel() == 1 else f"tensor(shape={tuple(obj.shape)}, dtype={obj.dtype})"
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [to_jsonable(v, depth + 1) for v in obj]
+    if isinstance(obj, type) or callable(obj):
+        return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+    converted = _convert_leaf(obj)
+    if converted is not _NO and not isinstance(converted, torch.Tensor):
+        return converted
+    r = repr(obj)
+    return r if len(r) <= 200 else r[:197] + "..."
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of tensor data inside ``obj`` (nested containers walked)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+# -- fsync helpers -------------------------------------------------------------------------------
+def fsync_dir(path: PathLike) -> None:
+    """Make a rename or a new entry in folder ``path`` durable (no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _describe_os_error(e: OSError) -> str:
+    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    text = e.strerror or str(e)
+    hints = {errno.ENOSPC: " (the disk is full)", errno.EDQUOT: " (disk quota exceeded)",
+             errno.EFBIG: " (file size limit reached)", errno.EROFS: " (read-only file system)",
+             errno.EACCES: " (no permission to write there)", errno.ENOTDIR: " (a file is in the way of the folder)"}
+    return f"{text}{hints.get(e.errno, '')}" + (f" [{code}]" if code else "")
+
+
+def write_file(path: PathLike, writer: Callable[[Any], None]) -> int:
+    """Create ``path`` (a new name), let ``writer(f)`` fill it, flush and fsync; returns its size in bytes.
+
+    Every failure to write surfaces as an ``OSError`` (``torch.save`` reports a full disk as a
+    ``RuntimeError`` raised while handling the ``OSError``: the ``OSError`` is raised instead).
+    """
+    try:
+        with open(path, "wb") as f:
+            writer(f)
+            f.flush()
+            os.fsync(f.fileno())
+            return f.tell()
+    except OSError:
+        raise
+    except RuntimeError as e:
+        cause: Optional[BaseException] = e
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            raise cause from None
+        raise OSError(f"torch.save failed: {e}") from e
+
+
+def save_file(obj: Any, path: PathLike) -> int:
+    """``torch.save`` of ``to_plain(obj)`` to a new file ``path``, fsynced; returns the size in bytes."""
+    plain = to_plain(obj)
+    return write_file(path, lambda f: torch.save(plain, f))
+
+
+def atomic_save(obj: Any, path: PathLike) -> Path:
+    """Write ``obj`` (tensors and plain values) to ``path`` atomically: temp file, fsync, ``os.replace``.
+
+    On failure the temp file is removed, any earlier file at ``path`` is untouched and a
+    ``CheckpointWriteError`` naming ``path`` is raised.
+    """
+    path = Path(path)
+    plain = to_plain(obj)  # before touching the disk: a bad value fails cleanly
+    tmp = path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid()}"
+    try:
+        write_file(tmp, lambda f: torch.save(plain, f))
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise CheckpointWriteError(f"could not write checkpoint {path}: {_describe_os_error(e)}; "
+                                   f"an earlier file at that path is untouched") from e
+    return path
+
+
+def atomic_write_text(path: PathLike, text: str) -> None:
+    """Replace the small text file ``path`` atomically (temp file, fsync, ``os.replace``, fsync of the folder)."""
+    path = Path(path)
+    tmp = path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid()}"
+    try:
+        write_file(tmp, lambda f: f.write(text.encode("utf-8")))
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def write_json(path: PathLike, data: Dict[str, Any]) -> int:
+    return write_file(path, lambda f: f.write(json.dumps(data, indent=1, sort_keys=False).encode("utf-8")))
+
+
+# -- reading -------------------------------------------------------------------------------------
+def _unsupported_global(message: str) -> Optional[str]:
+    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", message) or re.search(r"GLOBAL ([\w.]+)", message)
+    if m:
+        return m.group(1)
+    m = re.search(r"Unsupported operand (\d+)", message)
+    return f"pickle opcode {m.group(1)}" if m else None
+
+
+def load_file(path: PathLike) -> Any:
+    """Read a checkpoint file with ``torch.load(weights_only=True, map_location="cpu")``.
+
+    A file that needs anything but tensors and plain values raises ``UnsafeCheckpointError``
+    before anything in it runs; a missing file ``CheckpointNotFoundError``; a truncated or
+    damaged one ``CheckpointError``. Every message names the file.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"checkpoint file {path} does not exist")
+    try:
+        with warnings.catch_warnings():  # a refused file gets our message below, not torch's protocol notice
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        what = _unsupported_global(str(e))
+        raise UnsafeCheckpointError(
+            f"refused to load {path}: it holds objects other than tensors and plain Python values"
+            f"{f' ({what})' if what else ''}, and loading them could run code from the file. "
+            f"colossal_lite only writes tensors and plain values, so this file was written by something else or "
+            f"was modified. Nothing in it was run. Load it with torch.load(..., weights_only=False) only if you "
+            f"trust where it came from.") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise CheckpointError(f"could not read checkpoint file {path}: it is truncated or damaged ({e})") from e

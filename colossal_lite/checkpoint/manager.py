@@ -1,0 +1,624 @@
+"""``CheckpointManager``: one folder per checkpoint, written atomically by every rank, with ``last``/``best`` pointers.
+
+Layout of ``checkpoint_dir``::
+
+    epoch3-step120/          one complete checkpoint
+        shared.pt            replicated state (model, optimizer, schedulers, trainer progress), written by rank 0
+        rank0.pt, rank1.pt   per-rank state (RNG, data position), one file per rank
+        meta.json            epoch, step, metrics, config summary, versions, file sizes; written last
+    last                     text file holding the name of the newest complete checkpoint
+    best                     text file holding the name of the best one (by ``save_best``)
+    .tmp-*                   an unfinished write (removed at the next start)
+
+A checkpoint is written into ``.tmp-<name>-<pid>`` and renamed into place once every rank's file
+is in it and fsynced; the pointers move after that. A process killed at any instant therefore
+leaves ``last`` naming a complete checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .io import (
+    DEL_PREFIX,
+    TMP_PREFIX,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    PathLike,
+    _describe_os_error,
+    fsync_dir,
+    load_file,
+    save_file,
+    tensor_bytes,
+    to_jsonable,
+    to_plain,
+    write_json,
+)
+
+SHARED_FILE = "shared.pt"
+META_FILE = "meta.json"
+POINTERS = ("last", "best")
+FORMAT = "colossal_lite.checkpoint"
+FORMAT_VERSION = 1
+_NAME_RE = re.compile(r"epoch(-?\d+)-step(-?\d+)")
+_DEFAULT = object()
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+def checkpoint_name(epoch: int, step: int) -> str:
+    """The folder name of the checkpoint taken at ``epoch`` (0-based) after ``step`` optimizer steps."""
+    return f"epoch{int(epoch)}-step{int(step)}"
+
+
+def _check_name(name: str) -> str:
+    if not isinstance(name, str) or not name or name in POINTERS or name.startswith(".") or name in ("..",) \
+            or "/" in name or "\\" in name or name != name.strip():
+        raise ValueError(f"checkpoint name {name!r} cannot be used: give a plain folder name that does not start "
+                         f"with '.' and is not 'last' or 'best', e.g. {checkpoint_name(3, 120)!r}")
+    return name
+
+
+class _Ranks:
+    """The ranks of the default process group (one process: no collectives)."""
+
+    def __init__(self):
+        from ..core.global_context import global_context as gpc
+
+        self.rank = gpc.get_global_rank()
+        self.world_size = gpc.get_world_size()
+        self.distributed = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    def all_gather(self, obj) -> list:
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj):
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def agree(self, error: Optional[BaseException], what: str, on_failure=None) -> None:
+        """Raise on every rank if any rank failed (its own error there, a summary elsewhere). A collective."""
+        errors = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return
+        if on_failure is not None:
+            on_failure()
+        if self.distributed:
+            dist.barrier()  # every rank sees the cleaned-up folder when the error surfaces
+        if error is not None:
+            raise error
+        r, msg = failed[0]
+        raise CheckpointWriteError(f"{what}: rank {r} failed: {msg}")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # our own leftover from an earlier failed attempt
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists but belongs to someone else
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def remove_leftovers(checkpoint_dir: PathLike) -> List[Path]:
+    """Delete what interrupted writes left in ``checkpoint_dir`` (``.tmp-*``, ``.del-*`` of processes that are gone)."""
+    root = Path(checkpoint_dir)
+    removed = []
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        if not entry.name.startswith((TMP_PREFIX, DEL_PREFIX)):
+            continue
+        m = re.search(r"-(\d+)$", entry.name)
+        if m and _pid_alive(int(m.group(1))):
+            continue  # another live process on this machine is writing it
+        _remove(entry)
+        removed.append(entry)
+    return removed
+
+
+def read_meta(folder: PathLike) -> Dict[str, Any]:
+    """The ``meta.json`` of a checkpoint folder; ``CheckpointError`` when it is missing or not ours."""
+    folder = Path(folder)
+    meta_path = folder / META_FILE
+    if not folder.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint {folder} does not exist")
+    if not meta_path.is_file():
+        raise CheckpointError(f"{folder} is not a complete checkpoint: it has no {META_FILE} (an interrupted write, "
+                              f"or not a colossal_lite checkpoint folder)")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"could not read {meta_path}: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path} is not colossal_lite checkpoint metadata")
+    return meta
+
+
+def _is_complete(folder: Path) -> Optional[Dict[str, Any]]:
+    try:
+        return read_meta(folder)
+    except CheckpointError:
+        return None
+
+
+def verify_files(folder: PathLike, meta: Dict[str, Any]) -> None:
+    """Check that every file ``meta`` lists is there with the recorded size."""
+    folder = Path(folder)
+    for fname, size in meta.get("files", {}).items():
+        p = folder / fname
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint {folder} is damaged: {fname} is missing")
+        actual = p.stat().st_size
+        if actual != size:
+            raise CheckpointError(f"checkpoint {folder} is damaged: {fname} has {actual} bytes, "
+                                  f"{META_FILE} records {size}")
+
+
+def model_state_from(shared: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """The model weights inside a checkpoint's shared state: ``shared['model']`` or ``shared['engine']['model']``."""
+    for candidate in (shared.get("model"), (shared.get("engine") or {}).get("model")
+                      if isinstance(shared.get("engine"), dict) else None):
+        if isinstance(candidate, dict) and candidate and all(isinstance(v, torch.Tensor) for v in candidate.values()):
+            return candidate
+    raise CheckpointError(f"no model weights found in this checkpoint: expected a dict of tensors under 'model' or "
+                          f"'engine' -> 'model', found top-level keys {sorted(map(str, shared))}")
+
+
+def _metric_value(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().float().item() if v.numel() == 1 else to_jsonable(v)
+    if hasattr(v, "item") and callable(v.item):  # NumPy scalars
+        try:
+            return v.item()
+        except (TypeError, ValueError):
+            pass
+    return to_jsonable(v)
+
+
+class CheckpointManager:
+    """Writes and finds checkpoints in ``checkpoint_dir``; every rank calls ``save`` and ``load``.
+
+    Args:
+        checkpoint_dir: the folder of this run's checkpoints (created at the first save). With several
+            ranks it must be on a filesystem every rank sees.
+        save_last: move the ``last`` pointer to each new checkpoint.
+        save_best: ``None`` or ``(metric_name, 'min' | 'max')``: move the ``best`` pointer when
+            ``metrics[metric_name]`` improves. The best value is read back from the ``best``
+            checkpoint's metadata, so it survives a restart.
+        keep_last_n: keep only the ``n`` newest checkpoints (plus whatever ``last`` and ``best``
+            point at); ``None`` keeps all.
+        cleanup: remove leftovers of interrupted writes now (rank 0 only).
+    """
+
+    def __init__(self, checkpoint_dir: PathLike, save_last: bool = True,
+                 save_best: Optional[Tuple[str, str]] = None, keep_last_n: Optional[int] = None,
+                 cleanup: bool = True):
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.save_last = bool(save_last)
+        if save_best is not None:
+            if not (isinstance(save_best, (tuple, list)) and len(save_best) == 2 and isinstance(save_best[0], str)
+                    and save_best[1] in ("min", "max")):
+                raise ValueError(f"save_best must be None or (metric_name, 'min' | 'max'), e.g. ('loss', 'min') or "
+                                 f"('accuracy', 'max'); got {save_best!r}")
+            save_best = (save_best[0], save_best[1])
+        self.save_best = save_best
+        if keep_last_n is not None and (isinstance(keep_last_n, bool) or not isinstance(keep_last_n, int)
+                                        or keep_last_n < 1):
+            raise ValueError(f"keep_last_n must be None (keep all) or an int >= 1, got {keep_last_n!r}")
+        self.keep_last_n = keep_last_n
+        self.removed_leftovers: List[Path] = []
+        if cleanup and self._ranks.rank == 0:
+            self.removed_leftovers = remove_leftovers(self.checkpoint_dir)
+        self.best_value: Optional[float] = self._read_best_value()
+
+    @property
+    def _ranks(self) -> _Ranks:
+        return _Ranks()  # read at each use: the manager may be built before the process group starts
+
+    # -- finding checkpoints ---------------------------------------------------------------------
+    def _metas(self) -> List[Tuple[Path, Dict[str, Any]]]:
+        if not self.checkpoint_dir.is_dir():
+            return []
+        found = []
+        for entry in self.checkpoint_dir.iterdir():
+            if entry.name.startswith(".") or entry.name in POINTERS or not entry.is_dir():
+                continue
+            meta = _is_complete(entry)
+            if meta is not None:
+                found.append((entry, meta))
+        found.sort(key=lambda pm: (int(pm[1].get("seq", 0)), pm[1].get("created", 0), pm[0].name))
+        return found
+
+    def list_checkpoints(self) -> List[Path]:
+        """Complete checkpoints, oldest first (by the order they were written)."""
+        return [p for p, _ in self._metas()]
+
+    def latest(self) -> Optional[Path]:
+        """The newest complete checkpoint, whatever the pointers say; ``None`` if there is none."""
+        found = self.list_checkpoints()
+        return found[-1] if found else None
+
+    def pointer(self, which: str) -> Optional[Path]:
+        """The complete checkpoint the ``last`` or ``best`` pointer names, or ``None``."""
+        target = _read_pointer(self.checkpoint_dir / which)
+        if target is None:
+            return None
+        path = self.checkpoint_dir / target
+        return path if _is_complete(path) is not None else None
+
+    def resolve(self, which: Union[str, PathLike, None] = "auto") -> Optional[Path]:
+        """The checkpoint folder ``which`` names.
+
+        ``"auto"``: ``last`` (or, without a ``last`` pointer, the newest complete checkpoint) or
+        ``None`` when there is none, so a fresh run starts. ``"last"``, ``"best"``, ``"latest"``,
+        a folder path, a pointer file or a checkpoint name inside ``checkpoint_dir`` must exist.
+        """
+        if which is None:
+            return None
+        if isinstance(which, str) and which == "auto":
+            return self.pointer("last") or self.latest()
+        if isinstance(which, str) and which in POINTERS:
+            pointer = self.checkpoint_dir / which
+            target = _read_pointer(pointer)
+            if target is None:
+                raise CheckpointNotFoundError(
+                    f"no '{which}' checkpoint in {self.checkpoint_dir}: {pointer} does not exist"
+                    + (" (no checkpoint was completed there yet)" if which == "last" else
+                       " (no checkpoint was saved with save_best there yet)"))
+            path = self.checkpoint_dir / target
+            read_meta(path)  # raises naming the folder when it is missing or incomplete
+            return path
+        if isinstance(which, str) and which == "latest":
+            path = self.latest()
+            if path is None:
+                raise CheckpointNotFoundError(f"no complete checkpoint in {self.checkpoint_dir}")
+            return path
+        return resolve_path(which, self.checkpoint_dir)
+
+    # -- best ----------------------------------------------------------------------------------
+    def _read_best_value(self) -> Optional[float]:
+        if self.save_best is None:
+            return None
+        path = self.pointer("best")
+        if path is None:
+            return None
+        value = read_meta(path).get("metrics", {}).get(self.save_best[0])
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def _improves(self, metrics: Dict[str, Any]) -> bool:
+        if self.save_best is None:
+            return False
+        name, mode = self.save_best
+        value = metrics.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            if metrics and name not in metrics:
+                warnings.warn(f"save_best watches metric {name!r} but this checkpoint's metrics have only "
+                              f"{sorted(metrics)}; 'best' was not moved", stacklevel=3)
+            return False
+        if self.best_value is None:
+            return True
+        return value < self.best_value if mode == "min" else value > self.best_value
+
+    # -- saving --------------------------------------------------------------------------------
+    def save(self, name: str, shared_state: Dict[str, Any], rank_state: Optional[Dict[str, Any]] = None,
+             metrics: Optional[Dict[str, Any]] = None, *, epoch: Optional[int] = None, step: Optional[int] = None,
+             config: Any = _DEFAULT) -> Path:
+        """Write one checkpoint and return its folder. Every rank calls it (it runs collectives).
+
+        ``shared_state`` is replicated state and is written once, from rank 0 (other ranks may pass
+        ``None``); ``rank_state`` is this rank's own state (RNG, data position). ``metrics`` (plain
+        numbers) go into the metadata and drive ``best``. ``epoch`` and ``step`` default to the
+        numbers in ``name`` (``checkpoint_name(epoch, step)``); ``config`` defaults to ``gpc.config``.
+        If the name is taken (a resumed run saving at the same point again) ``-v1``, ``-v2``... is added.
+        A failure on any rank raises on every rank and leaves earlier checkpoints as they were.
+        """
+        _check_name(name)
+        ranks = self._ranks
+        if epoch is None or step is None:
+            m = _NAME_RE.search(name)
+            if m:
+                epoch = int(m.group(1)) if epoch is None else epoch
+                step = int(m.group(2)) if step is None else step
+        error: Optional[BaseException] = None
+        shared_plain = rank_plain = None
+        metrics_plain: Dict[str, Any] = {}
+        try:
+            rank_plain = to_plain({} if rank_state is None else rank_state, "rank_state")
+            if ranks.rank == 0:
+                if not isinstance(shared_state, dict):
+                    raise TypeError(f"shared_state must be a dict, got {type(shared_state).__name__}")
+                shared_plain = to_plain(shared_state, "shared_state")
+                metrics_plain = {str(k): _metric_value(v) for k, v in (metrics or {}).items()}
+        except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
+            error = e
+        target = self.checkpoint_dir / name
+        tmp: Optional[Path] = None
+        final = name
+        if ranks.rank == 0 and error is None:
+            try:
+                self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+                final = self._free_name(name)
+                target = self.checkpoint_dir / final
+                tmp = self.checkpoint_dir / f"{TMP_PREFIX}{final}-{os.getpid()}"
+                if tmp.exists():
+                    _remove(tmp)
+                tmp.mkdir()
+            except OSError as e:
+                error = self._write_error(target, e)
+        ranks.agree(error, f"checkpoint {target} was not written", lambda: tmp is not None and _remove(tmp))
+        final, tmp_name = ranks.broadcast((final, None if tmp is None else tmp.name))
+        target, tmp = self.checkpoint_dir / final, self.checkpoint_dir / tmp_name
+
+        # every rank writes its own file(s) into the temporary folder
+        try:
+            if not tmp.is_dir():
+                raise CheckpointWriteError(f"could not write checkpoint {target}: the folder {tmp} made by rank 0 is "
+                                           f"not visible on rank {ranks.rank}; checkpoint_dir must be on a "
+                                           f"filesystem every rank shares")
+            if ranks.rank == 0:
+                save_file(shared_plain, tmp / SHARED_FILE)
+            save_file(rank_plain, tmp / rank_file(ranks.rank))
+        except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
+            error = self._write_error(target, e) if type(e) is not CheckpointWriteError and isinstance(e, OSError) else e
+        ranks.agree(error, f"checkpoint {target} was not written", lambda: ranks.rank == 0 and _remove(tmp))
+
+        # rank 0 completes it: metadata, rename into place, pointers, retention
+        if ranks.rank == 0:
+            try:
+                self._commit(tmp, target, shared_plain, metrics_plain, epoch, step, config)
+            except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
+                error = self._write_error(target, e) if type(e) is not CheckpointWriteError and isinstance(e, OSError) else e
+                if tmp.exists():
+                    _remove(tmp)
+        ranks.agree(error, f"checkpoint {target} was not completed")
+        return target
+
+    def _free_name(self, name: str) -> str:
+        final, k = name, 0
+        while (self.checkpoint_dir / final).exists():
+            k += 1
+            final = f"{name}-v{k}"
+        return final
+
+    def _write_error(self, target: Path, e: OSError) -> CheckpointWriteError:
+        where = f" ({e.filename})" if getattr(e, "filename", None) and str(e.filename) != str(target) else ""
+        last = _read_pointer(self.checkpoint_dir / "last")
+        kept = f"; the previous checkpoint ({self.checkpoint_dir / last}) is untouched" if last else ""
+        err = CheckpointWriteError(f"could not write checkpoint {target}{where}: {_describe_os_error(e)}{kept}")
+        err.__cause__ = e
+        return err
+
+    def _commit(self, tmp: Path, target: Path, shared: Dict[str, Any], metrics: Dict[str, Any],
+                epoch: Optional[int], step: Optional[int], config: Any) -> None:
+        from .._version import __version__
+
+        files = {}
+        for fname in [SHARED_FILE] + [rank_file(r) for r in range(self._ranks.world_size)]:
+            p = tmp / fname
+            if not p.is_file():
+                raise CheckpointWriteError(f"could not write checkpoint {target}: {fname} is missing from {tmp}; "
+                                           f"checkpoint_dir must be on a filesystem every rank shares")
+            files[fname] = p.stat().st_size
+        if config is _DEFAULT:
+            from ..core.global_context import global_context as gpc
+
+            config = gpc.config
+        metas = self._metas()
+        meta = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "name": target.name,
+            "seq": 1 + max((int(m.get("seq", 0)) for _, m in metas), default=0),
+            "epoch": epoch, "step": step, "metrics": metrics, "world_size": self._ranks.world_size,
+            "created": time.time(), "created_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "version": __version__, "torch_version": torch.__version__,
+            "config": None if config is None else to_jsonable(config),
+            "files": files,
+            "entries": {str(k): tensor_bytes(v) for k, v in shared.items()},
+            "save_best": list(self.save_best) if self.save_best else None,
+        }
+        write_json(tmp / META_FILE, meta)
+        fsync_dir(tmp)
+        os.rename(tmp, target)
+        fsync_dir(self.checkpoint_dir)
+        # the checkpoint is complete: now the pointers may move
+        try:
+            if self.save_last:
+                _write_pointer(self.checkpoint_dir / "last", target.name)
+            if self.save_best is not None and self._improves(metrics):
+                _write_pointer(self.checkpoint_dir / "best", target.name)
+                self.best_value = float(metrics[self.save_best[0]])
+        except OSError as e:
+            raise CheckpointWriteError(f"checkpoint {target} was written but a pointer could not be moved: "
+                                       f"{_describe_os_error(e)}") from e
+        self._apply_retention()
+
+    def _apply_retention(self) -> List[Path]:
+        if self.keep_last_n is None:
+            return []
+        found = self.list_checkpoints()
+        keep = set(found[-self.keep_last_n:])
+        for which in POINTERS:
+            target = _read_pointer(self.checkpoint_dir / which)
+            if target is not None:
+                keep.add(self.checkpoint_dir / target)
+        deleted = []
+        for path in found:
+            if path in keep:
+                continue
+            doomed = self.checkpoint_dir / f"{DEL_PREFIX}{path.name}-{os.getpid()}"
+            try:
+                os.rename(path, doomed)  # atomic: a half-deleted folder never looks like a checkpoint
+                shutil.rmtree(doomed)
+            except OSError as e:
+                warnings.warn(f"could not delete old checkpoint {path}: {_describe_os_error(e)}", stacklevel=3)
+                continue
+            deleted.append(path)
+        return deleted
+
+    # -- loading -------------------------------------------------------------------------------
+    def load(self, which: Union[str, PathLike] = "last") -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+        """``(shared_state, rank_state)`` of the checkpoint ``which`` names (see ``resolve``). Every rank calls it.
+
+        Rank 0 picks the folder and every rank reads the same one. ``rank_state`` is ``None`` (with a
+        warning) when the checkpoint was written by fewer ranks than this run has.
+        """
+        ranks = self._ranks
+        path, error = None, None
+        if ranks.rank == 0:
+            try:
+                path = self.resolve(which)
+                if path is None:
+                    raise CheckpointNotFoundError(f"no checkpoint to load in {self.checkpoint_dir}")
+            except (CheckpointError, ValueError) as e:
+                error = e
+        ranks.agree(error, f"could not load checkpoint {which!r}")
+        path = Path(ranks.broadcast(None if path is None else str(path)))
+        shared = rank_state = None
+        try:
+            shared, rank_state = read_checkpoint(path, ranks.rank, ranks.world_size)
+        except CheckpointError as e:
+            error = e
+        ranks.agree(error, f"could not load checkpoint {path}")
+        return shared, rank_state
+
+
+def read_checkpoint(path: PathLike, rank: int = 0, world_size: Optional[int] = None
+                    ) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+    """Read a checkpoint folder in this process only (no collectives): ``(shared_state, rank_state of rank)``."""
+    path = Path(path)
+    meta = read_meta(path)
+    verify_files(path, meta)
+    saved_world = meta.get("world_size")
+    if world_size is not None and saved_world is not None and saved_world != world_size and rank == 0:
+        warnings.warn(f"checkpoint {path} was written by {saved_world} rank(s) and this run has {world_size}: "
+                      f"each rank's share of the data and its random state differ, so the resumed run will not "
+                      f"match an uninterrupted one exactly", stacklevel=2)
+    shared = load_file(path / SHARED_FILE)
+    rank_path = path / rank_file(rank)
+    if rank_path.is_file():
+        rank_state = load_file(rank_path)
+    else:
+        rank_state = None
+        warnings.warn(f"checkpoint {path} was written by {meta.get('world_size')} rank(s) and has no state for rank "
+                      f"{rank}: its random state and data position start fresh, so the resumed run will not match "
+                      f"an uninterrupted one exactly", stacklevel=2)
+    return shared, rank_state
+
+
+def _read_pointer(pointer: Path) -> Optional[str]:
+    try:
+        text = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not text or "/" in text or "\\" in text or text.startswith("."):
+        return None  # not a name we wrote: never follow it outside the folder
+    return text
+
+
+def is_single_file(path: PathLike) -> bool:
+    """True for a single-file checkpoint (``save_checkpoint``), False for folders and ``last``/``best`` pointers."""
+    p = Path(path)
+    return p.is_file() and (p.stat().st_size >= 4096 or _read_pointer(p) is None)
+
+
+def _write_pointer(pointer: Path, name: str) -> None:
+    from .io import atomic_write_text
+
+    atomic_write_text(pointer, name + "\n")
+
+
+def resolve_path(which: PathLike, checkpoint_dir: Optional[PathLike] = None) -> Path:
+    """A checkpoint folder from a folder path, a ``last``/``best`` pointer file, a checkpoint directory
+    (its ``last``) or a name inside ``checkpoint_dir``."""
+    candidates = [Path(which)]
+    if checkpoint_dir is not None and not Path(which).is_absolute():
+        candidates.append(Path(checkpoint_dir) / which)
+    for path in candidates:
+        if path.is_file():
+            target = _read_pointer(path) if path.stat().st_size < 4096 else None
+            if target is not None and (path.parent / target).is_dir():
+                path = path.parent / target
+            else:
+                raise CheckpointError(f"{path} is a single file, not a checkpoint folder; read it with "
+                                      f"colossal_lite.utils.load_checkpoint (or checkpoint_info for a summary)")
+        if path.is_dir():
+            if not (path / META_FILE).exists() and (path / "last").is_file():
+                target = _read_pointer(path / "last")
+                if target is not None:
+                    path = path / target
+            read_meta(path)
+            return path
+    raise CheckpointNotFoundError(f"checkpoint {which} does not exist"
+                                  + (f" (also looked for {Path(checkpoint_dir) / which})"
+                                     if len(candidates) > 1 else ""))
+
+
+def checkpoint_info(path: PathLike) -> Dict[str, Any]:
+    """What a checkpoint holds: epoch, step, metrics, config summary, versions and the size of each file and entry.
+
+    ``path`` is a checkpoint folder, a ``last``/``best`` pointer, a checkpoint directory (its
+    ``last`` is shown) or a single-file checkpoint from ``colossal_lite.utils.save_checkpoint``.
+    """
+    p = Path(path)
+    if is_single_file(p):
+        state = load_file(p)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{p} does not hold a checkpoint dict (it holds a {type(state).__name__})")
+        lib = state.get("colossal_lite") if isinstance(state.get("colossal_lite"), dict) else {}
+        size = p.stat().st_size
+        return {
+            "path": str(p), "kind": "file", "name": p.name, "epoch": state.get("epoch"), "step": state.get("step"),
+            "metrics": {}, "config": to_jsonable(state.get("config")) if "config" in state else None,
+            "version": lib.get("version"), "torch_version": lib.get("torch_version"), "world_size": None,
+            "created_utc": None, "files": {p.name: size}, "total_bytes": size,
+            "entries": {str(k): tensor_bytes(v) for k, v in state.items() if k != "colossal_lite"},
+            "pointers": [],
+        }
+    folder = resolve_path(p)
+    meta = read_meta(folder)
+    files = {}
+    for entry in sorted(folder.iterdir()):
+        if entry.is_file():
+            files[entry.name] = entry.stat().st_size
+    pointers = [w for w in POINTERS if _read_pointer(folder.parent / w) == folder.name]
+    return {
+        "path": str(folder), "kind": "folder", "name": folder.name, "epoch": meta.get("epoch"),
+        "step": meta.get("step"), "metrics": meta.get("metrics", {}), "config": meta.get("config"),
+        "version": meta.get("version"), "torch_version": meta.get("torch_version"),
+        "world_size": meta.get("world_size"), "created_utc": meta.get("created_utc"), "files": files,
+        "total_bytes": sum(files.values()), "entries": meta.get("entries", {}), "pointers": pointers,
+    }

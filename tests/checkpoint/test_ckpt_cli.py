@@ -1,0 +1,81 @@
+"""``ckpt info`` and ``ckpt export``."""
+import argparse
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from colossal_lite.amp.amp_type import AMP_TYPE
+from colossal_lite.checkpoint import CheckpointManager
+from colossal_lite.checkpoint.cli import main, register, run
+from colossal_lite.context.config import Config
+from colossal_lite.utils.checkpointing import save_checkpoint
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(64, 32)
+    m = CheckpointManager(tmp_path / "ck", save_best=("loss", "min"))
+    config = Config({"fp16": {"mode": AMP_TYPE.TORCH}, "BATCH_SIZE": 32, "NUM_EPOCHS": 10})
+    m.save("epoch3-step120", {"engine": {"model": model.state_dict(), "num_updates": 120}, "trainer": {"epoch": 3}},
+           {"rng": torch.zeros(4, dtype=torch.uint8)}, {"loss": 0.125, "accuracy": 0.75}, config=config)
+    return tmp_path / "ck", model
+
+
+def test_info_prints_epoch_step_metrics_config_and_sizes(run_dir, capsys):
+    d, _ = run_dir
+    assert main(["ckpt", "info", str(d)]) == 0
+    out = capsys.readouterr().out
+    folder = d / "epoch3-step120"
+    assert f"checkpoint: {folder}  (last, best)" in out
+    assert "epoch: 3   step: 120" in out
+    assert "metrics: loss=0.125, accuracy=0.75" in out
+    assert "fp16 = {'mode': 'torch'}" in out and "BATCH_SIZE = 32" in out
+    assert f"colossal_lite {__import__('colossal_lite').__version__}" in out and "1 rank(s)" in out
+    sizes = dict(re.findall(r"^    (\S+)\s+(\d+(?:\.\d)? (?:B|KiB))$", out, re.M))
+    assert sizes["shared.pt"] == f"{(folder / 'shared.pt').stat().st_size / 1024:.1f} KiB"
+    assert sizes["meta.json"] == f"{(folder / 'meta.json').stat().st_size} B"
+    assert sizes["engine"] == "8.1 KiB"  # tensor data: (64*32 + 32) * 4 bytes of weights
+    assert sizes["trainer"] == "0 B"
+
+
+def test_export_writes_bare_weights_loadable_with_weights_only(run_dir, tmp_path, capsys):
+    d, model = run_dir
+    out_file = tmp_path / "weights.pt"
+    assert main(["ckpt", "export", str(d / "best"), str(out_file)]) == 0
+    assert f"wrote 2 tensors (8.1 KiB) to {out_file}" in capsys.readouterr().out
+    weights = torch.load(out_file, weights_only=True)
+    fresh = nn.Linear(64, 32)
+    fresh.load_state_dict(weights)
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_export_from_a_single_file_checkpoint_strips_ddp_prefixes(tmp_path):
+    model = nn.Linear(3, 2)
+    torch.save({"epoch": 1, "model": {f"module.{k}": v for k, v in model.state_dict().items()}}, tmp_path / "a.pt")
+    assert main(["ckpt", "export", str(tmp_path / "a.pt"), str(tmp_path / "w.pt")]) == 0
+    assert sorted(torch.load(tmp_path / "w.pt", weights_only=True)) == ["bias", "weight"]
+    save_checkpoint(tmp_path / "b.pt", 4, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert main(["ckpt", "info", str(tmp_path / "b.pt")]) == 0
+
+
+def test_errors_are_one_line_and_exit_1(tmp_path, capsys):
+    assert main(["ckpt", "info", str(tmp_path / "nothing")]) == 1
+    assert f"error: checkpoint {tmp_path / 'nothing'} does not exist" in capsys.readouterr().err
+    m = CheckpointManager(tmp_path / "ck")
+    m.save("epoch0-step1", {"trainer": {"step": 1}})
+    assert main(["ckpt", "export", str(tmp_path / "ck"), str(tmp_path / "w.pt")]) == 1
+    assert "no model weights found in this checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "w.pt").exists()
+
+
+def test_register_adds_the_command_to_another_parser(run_dir, capsys):
+    parser = argparse.ArgumentParser(prog="colossal-lite")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info")
+    register(sub)
+    args = parser.parse_args(["ckpt", "info", str(run_dir[0] / "last")])
+    assert args.command == "ckpt" and run(args) == 0
+    assert "epoch: 3" in capsys.readouterr().out
