@@ -1,0 +1,36 @@
+"""Batch-size arithmetic: global = micro x data-parallel size x accumulation."""
+import pytest
+
+from colossal_lite.context import Config, ConfigException
+from colossal_lite.context.batch_size import resolve_batch_sizes
+
+
+@pytest.mark.parametrize("given,world,expected", [
+    (dict(micro_batch_size=8, gradient_accumulation=4), 2, dict(global_batch_size=64)),
+    (dict(micro_batch_size=8), 4, dict(global_batch_size=32)),
+    (dict(global_batch_size=64, gradient_accumulation=4), 2, dict(micro_batch_size=8)),
+    (dict(global_batch_size=64, micro_batch_size=8), 2, dict(gradient_accumulation=4)),
+    (dict(global_batch_size=64, micro_batch_size=8, gradient_accumulation=4), 2, {}),
+    (dict(gradient_accumulation=4), 2, {}),
+])
+def test_any_two_give_the_third(given, world, expected):
+    config = resolve_batch_sizes(Config(given), world)
+    for k, v in {**given, **expected}.items():
+        assert config[k] == v
+    if "micro_batch_size" in config:
+        assert config.global_batch_size == config.micro_batch_size * world * config.gradient_accumulation \
+            if "gradient_accumulation" in config else config.global_batch_size == config.micro_batch_size * world
+
+
+@pytest.mark.parametrize("given,world,needle", [
+    (dict(global_batch_size=64, micro_batch_size=8, gradient_accumulation=2), 2,
+     "micro_batch_size 8 x data-parallel size 2 x gradient_accumulation 2 = 32, not 64"),
+    (dict(global_batch_size=60, micro_batch_size=8), 2, "60 is not divisible by micro_batch_size 8 x data-parallel size 2 = 16"),
+    (dict(global_batch_size=63, gradient_accumulation=4), 2, "63 is not divisible by data-parallel size 2 x gradient_accumulation 4 = 8"),
+    (dict(global_batch_size=64), 2, "needs micro_batch_size or gradient_accumulation"),
+])
+def test_inconsistent_values_show_the_arithmetic(given, world, needle):
+    with pytest.raises(ConfigException) as e:
+        resolve_batch_sizes(Config(given), world)
+    assert needle in str(e.value)
+    assert "Fix:" in str(e.value)
