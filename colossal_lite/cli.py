@@ -38,7 +38,8 @@ def _info() -> int:
     return 0
 
 
-def _check(path: str) -> int:
+def _check(path: str, world_size: int = 1) -> int:
+    from .context.batch_size import resolve_batch_sizes
     from .context.config import ConfigException
     from .context.features import describe_features
     from .launch import load_config
@@ -49,13 +50,14 @@ def _check(path: str) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             config = load_config(path)
+            resolve_batch_sizes(config, world_size)
     except (ConfigException, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     print(f"{path}: OK. This config switches on:")
-    for line in describe_features(config):
+    for line in describe_features(config, world_size):
         print(f"  - {line}")
     user = sorted(k for k in config if isinstance(k, str) and k.isupper())
     if user:
@@ -69,6 +71,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub.add_parser("info", help="versions of Python, torch, CUDA/NCCL, CPUs, GPUs and extras")
     p = sub.add_parser("check", help="validate a config file and explain the features it switches on")
     p.add_argument("config", help="path to a config .py file")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="data-parallel size to check the batch-size arithmetic against (default 1)")
     from .checkpoint import cli as ckpt_cli
 
     ckpt_cli.register(sub)
@@ -76,7 +80,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "info":
         return _info()
     if args.command == "check":
-        return _check(args.config)
+        return _check(args.config, args.world_size)
     if args.command == "ckpt":
         return ckpt_cli.run(args)
     return 2

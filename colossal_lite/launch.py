@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .context.config import Config
+from .context.batch_size import resolve_batch_sizes
 from .context.validation import validate_config
 from .core.global_context import global_context as gpc
 from .logging import get_dist_logger
@@ -65,6 +66,7 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
     cfg = load_config(config)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size): got rank={rank}, world_size={world_size}")
+    resolve_batch_sizes(cfg, world_size)  # before any process group starts
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("backend='nccl' needs CUDA GPUs, but torch.cuda.is_available() is False; use backend='gloo' on CPU")
@@ -93,6 +95,7 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
         try:
             dist.init_process_group(**kwargs)
         except Exception as e:
+            gpc.destroy()  # no half-launched state: gpc answers as before launch
             where = kwargs.get("init_method", "an in-process store")
             raise RuntimeError(
                 f"could not start the process group at {where} as rank {rank} of {world_size} within {timeout:g} s "
@@ -116,9 +119,9 @@ def launch_from_torch(config, backend: Optional[str] = None, seed: int = 1024, v
     Run as a plain ``python script.py`` (no such variables) it launches a single process.
     """
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    present = [n for n in names if n in os.environ]
-    if not present:
-        load_config(config)  # validate first, as in every launch
+    # MASTER_ADDR/MASTER_PORT alone (often exported cluster-wide) do not make this a torchrun process
+    if not any(n in os.environ for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        config = load_config(config)  # validate (and read the file) once, before the note
         if verbose:
             get_dist_logger().info("No torchrun environment found (RANK, WORLD_SIZE, ...): running as a single process. "
                                    "Use `python -m torch.distributed.run --nproc_per_node N script.py` for N processes.",

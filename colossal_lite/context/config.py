@@ -75,11 +75,8 @@ class Config(dict):
         return (Config, (dict(self),))
 
     # -- source tracking, used by error messages -------------------------------------------
-    @property
-    def source(self) -> Optional["ConfigSource"]:
-        return self._source
-
-    def where(self, *path: str) -> str:
+    # (underscore names only: a public attribute here would hide a user's key of that name)
+    def _where(self, *path: str) -> str:
         """``file:line`` of the key at ``path`` when known, else the file, else ``<dict config>``."""
         src = self._source
         if src is None:
@@ -138,6 +135,18 @@ def _key_lines(tree: ast.Module) -> Dict[Tuple[str, ...], int]:
     return lines
 
 
+def _found_in(module, folder: Path) -> bool:
+    """Whether ``module`` (a top-level module or package) was found directly in ``folder``."""
+    locations = [getattr(module, "__file__", None)] if getattr(module, "__path__", None) is None else list(module.__path__)
+    for loc in locations:
+        try:
+            if loc and Path(loc).resolve().parent == folder:
+                return True
+        except (OSError, TypeError, ValueError):
+            pass
+    return False
+
+
 def load_config_file(filename) -> Config:
     """Execute a ``.py`` config in its own namespace and keep its public values.
 
@@ -185,11 +194,11 @@ def load_config_file(filename) -> Config:
         raise ConfigException(f"{where}: error while executing config: {type(e).__name__}: {e}") from e
     finally:
         sys.modules.pop(module_name, None)
-        # forget sibling modules the config imported from its own folder
-        for name in set(sys.modules) - modules_before:
-            mod_file = getattr(sys.modules.get(name), "__file__", None)
-            if mod_file and Path(mod_file).resolve().parent == path.parent:
-                sys.modules.pop(name, None)
+        # forget the sibling modules and packages (and their submodules) imported from the config's folder
+        new_names = set(sys.modules) - modules_before
+        for name in [n for n in new_names if n.partition(".")[0] in new_names
+                     and _found_in(sys.modules.get(n.partition(".")[0]), path.parent)]:
+            sys.modules.pop(name, None)
         sys.path[:] = path_before
 
     values: Dict[str, Any] = {}

@@ -49,7 +49,7 @@ class _Checker:
 
     def fail(self, path, problem: str, fix: str):
         key = ".".join(path)
-        raise ConfigException(f"{self.config.where(*path)}: config key '{key}': {problem}. Fix: {fix}")
+        raise ConfigException(f"{self.config._where(*path)}: config key '{key}': {problem}. Fix: {fix}")
 
     # -- per-key checks ---------------------------------------------------------------------
     def fp16(self, value):
@@ -127,7 +127,8 @@ class _Checker:
 
     def gradient_handler(self, value):
         if not isinstance(value, (list, tuple)):
-            self.fail(("gradient_handler",), f"expected a list of dicts, got {type(value).__name__}",
+            got = "a single dict" if isinstance(value, dict) else type(value).__name__
+            self.fail(("gradient_handler",), f"expected a list of dicts, got {got}",
                       "write gradient_handler = [dict(type='DataParallelGradientHandler')]")
         for item in value:
             if not isinstance(item, dict) or "type" not in item:
@@ -237,18 +238,45 @@ def validate_config(config: Config) -> List[str]:
             continue
         meant = ALIASES.get(key) or (difflib.get_close_matches(key, FEATURE_KEYS, n=1, cutoff=0.8) or [None])[0]
         if meant is not None:
-            checker.fail((key,), f"is not a colossal_lite config key, so it would be silently ignored",
+            checker.fail((key,), "is not a colossal_lite config key, so it would be silently ignored",
                          f"rename it to '{meant}'")
     # a feature dict nested inside another top-level dict does nothing (CONFIG = dict(fp16=...))
     for key, value in config.items():
         if isinstance(key, str) and key not in FEATURE_KEYS and isinstance(value, dict):
             nested = [k for k in value if k in FEATURE_KEYS]
             for k in nested:
-                msg = (f"{config.where(key, k)}: config key '{key}.{k}' looks like a feature setting but is nested inside "
+                msg = (f"{config._where(key, k)}: config key '{key}.{k}' looks like a feature setting but is nested inside "
                        f"'{key}', so it has no effect. Fix: move '{k}' to the top level of the config file")
                 warnings.warn(msg, UserWarning, stacklevel=3)
                 notes.append(msg)
     if config.get("gradient_handler") is not None and config.get("torch_ddp"):
         checker.fail(("torch_ddp",), "is ignored when 'gradient_handler' is set (gradients are all-reduced by the handler, not DDP)",
                      "remove one of 'torch_ddp' and 'gradient_handler'")
+    _check_combinations(checker, config)
     return notes
+
+
+def _check_combinations(checker: _Checker, config: Config):
+    """Feature pairs that cannot work together, found at check time."""
+    zero = config.get("zero")
+    if not zero:
+        return
+    stage = zero.get("stage")
+    fp16 = config.get("fp16") or {}
+    if fp16 and normalize_amp_mode(fp16.get("mode")) is AMP_TYPE.NAIVE:
+        checker.fail(("fp16", "mode"), "AMP_TYPE.NAIVE keeps fp16 weights with fp32 master copies, which ZeRO's sharded "
+                     "parameters and optimizer cannot hold", "use fp16=dict(mode=AMP_TYPE.TORCH) or AMP_TYPE.BF16 with zero")
+    if config.get("gradient_handler") is not None:
+        checker.fail(("gradient_handler",), "ZeRO reduces gradients itself (DDP for stage 1, FSDP2 for stages 2 and 3)",
+                     "remove 'gradient_handler' when 'zero' is set")
+    if stage == 1 and (zero.get("offload_optimizer") or zero.get("shard_modules") or
+                       zero.get("reshard_after_forward") is not None):
+        checker.fail(("zero",), "offload_optimizer, shard_modules and reshard_after_forward are FSDP2 options, but stage 1 "
+                     "is torch's ZeroRedundancyOptimizer", "use zero=dict(stage=2) or stage=3 for them, or remove them")
+    if stage in (2, 3) and config.get("gradient_accumulation") == "auto":
+        checker.fail(("gradient_accumulation",), "'auto' retries a batch after an out-of-memory error, but FSDP2 runs "
+                     "collectives inside forward and backward, so a rank that ran out would leave the others waiting",
+                     "use a fixed gradient_accumulation with zero stage 2/3, or zero=dict(stage=1)")
+    if stage in (2, 3) and config.get("torch_ddp"):
+        checker.fail(("torch_ddp",), "DDP options have no effect with zero stage 2/3 (FSDP2 replaces DDP)",
+                     "remove 'torch_ddp'")

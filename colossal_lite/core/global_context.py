@@ -76,9 +76,9 @@ class GlobalContext:
         return self.get_global_rank()
 
     def get_group(self, parallel_mode: Optional[ParallelMode] = None):
-        """The process group (None = the default group, also before launch)."""
+        """The data-parallel process group (the default group) after launch; None before launch."""
         self._is_data(parallel_mode)
-        return None
+        return dist.group.WORLD if _dist_ready() else None
 
     get_cpu_group = get_group
 
