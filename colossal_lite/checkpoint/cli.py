@@ -1,4 +1,4 @@
-"""``colossal-lite ckpt info PATH`` and ``colossal-lite ckpt export PATH OUT``.
+"""``colossal-lite ckpt info PATH``, ``ckpt export PATH OUT`` and ``ckpt merge PATH OUT``.
 
 ``register(subparsers)`` adds the ``ckpt`` command to a parser; ``run(args)`` executes it. Also
 runnable alone: ``python -m colossal_lite.checkpoint.cli info PATH``.
@@ -22,6 +22,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write the bare model weights (a state_dict) for inference")
     export.add_argument("path", help="a checkpoint folder, pointer, checkpoint directory or save_checkpoint file")
     export.add_argument("out", help="output file, loadable with torch.load(out, weights_only=True)")
+    merge = sub.add_parser("merge", help="turn a sharded (zero stage 2/3) checkpoint into one ordinary file")
+    merge.add_argument("path", help="a checkpoint folder, pointer or checkpoint directory written by a sharded run")
+    merge.add_argument("out", help="output file: the whole state with full model and optimizer tensors")
     return p
 
 
@@ -92,6 +95,32 @@ def _export(path: str, out: str) -> int:
     return 0
 
 
+def merge_checkpoint(path, out) -> dict:
+    """Shared state + the merged shards -> one file with full ``engine.model`` / ``engine.optimizer``."""
+    from .io import atomic_save, load_file
+    from .manager import SHARED_FILE, merge_sharded, resolve_path
+
+    folder = resolve_path(Path(path))
+    shared = load_file(folder / SHARED_FILE)
+    merged = merge_sharded(folder)
+    engine = dict(shared.get("engine") or {})
+    engine["model"] = merged["model"]
+    engine["optimizer"] = merged["optimizer"]
+    shared["engine"] = engine
+    shared["merged_from"] = str(folder)
+    atomic_save(shared, out)
+    return shared
+
+
+def _merge(path: str, out: str) -> int:
+    from .io import tensor_bytes
+
+    state = merge_checkpoint(path, out)
+    print(f"wrote {out}: {len(state['engine']['model'])} model tensors, "
+          f"{_size(tensor_bytes(state))} in all; resume from it with any number of ranks, or export it")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the parsed ``ckpt`` command; prints a one-line error and returns 1 when it fails."""
     from .io import CheckpointError
@@ -101,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
             return _info(args.path)
         if args.ckpt_command == "export":
             return _export(args.path, args.out)
+        if args.ckpt_command == "merge":
+            return _merge(args.path, args.out)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

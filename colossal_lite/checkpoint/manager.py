@@ -47,6 +47,7 @@ from .io import (
 )
 
 SHARED_FILE = "shared.pt"
+SHARDED_DIR = "sharded"  # torch.distributed.checkpoint files: each rank writes its own shard
 META_FILE = "meta.json"
 POINTERS = ("last", "best")
 FORMAT = "colossal_lite.checkpoint"
@@ -337,7 +338,7 @@ class CheckpointManager:
     # -- saving --------------------------------------------------------------------------------
     def save(self, name: str, shared_state: Dict[str, Any], rank_state: Optional[Dict[str, Any]] = None,
              metrics: Optional[Dict[str, Any]] = None, *, epoch: Optional[int] = None, step: Optional[int] = None,
-             config: Any = _DEFAULT) -> Path:
+             config: Any = _DEFAULT, sharded_state: Optional[Dict[str, Any]] = None) -> Path:
         """Write one checkpoint and return its folder. Every rank calls it (it runs collectives).
 
         ``shared_state`` is replicated state and is written once, from rank 0 (other ranks may pass
@@ -346,6 +347,8 @@ class CheckpointManager:
         numbers in ``name`` (``checkpoint_name(epoch, step)``); ``config`` defaults to ``gpc.config``.
         If the name is taken (a resumed run saving at the same point again) ``-v1``, ``-v2``... is added.
         A failure on any rank raises on every rank and leaves earlier checkpoints as they were.
+        ``sharded_state`` (DTensor state of a ZeRO 2/3 model and optimizer) is written with
+        ``torch.distributed.checkpoint`` into ``sharded/``: each rank writes its own shard.
         """
         _check_name(name)
         ranks = self._ranks
@@ -396,6 +399,12 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
             error = self._write_error(target, e) if type(e) is not CheckpointWriteError and isinstance(e, OSError) else e
         ranks.agree(error, f"checkpoint {target} was not written", lambda: ranks.rank == 0 and _remove(tmp))
+        if sharded_state is not None:
+            try:
+                save_sharded(sharded_state, tmp / SHARDED_DIR)
+            except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
+                error = self._write_error(target, e) if isinstance(e, OSError) else e
+            ranks.agree(error, f"checkpoint {target} was not written", lambda: ranks.rank == 0 and _remove(tmp))
 
         # rank 0 completes it: metadata, rename into place, pointers, retention
         if ranks.rank == 0:
@@ -434,6 +443,9 @@ class CheckpointManager:
                 raise CheckpointWriteError(f"could not write checkpoint {target}: {fname} is missing from {tmp}; "
                                            f"checkpoint_dir must be on a filesystem every rank shares")
             files[fname] = p.stat().st_size
+        if (tmp / SHARDED_DIR).is_dir():
+            for p in sorted((tmp / SHARDED_DIR).iterdir()):
+                files[f"{SHARDED_DIR}/{p.name}"] = p.stat().st_size
         if config is _DEFAULT:
             from ..core.global_context import global_context as gpc
 
@@ -514,6 +526,46 @@ class CheckpointManager:
             error = e
         ranks.agree(error, f"could not load checkpoint {path}")
         return shared, rank_state
+
+
+def save_sharded(state: Dict[str, Any], folder: Path) -> None:
+    """Every rank writes its shard of ``state`` (DTensors) with torch.distributed.checkpoint, then fsyncs."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True))
+    if folder.is_dir():
+        fsync_dir(folder)
+
+
+def load_sharded(path: PathLike, state: Dict[str, Any]) -> Dict[str, Any]:
+    """Fill ``state`` (this run's DTensor layout, any number of ranks) from ``path/sharded`` in place. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(path) / SHARDED_DIR
+    if not folder.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint {path} has no sharded state ({folder} is missing): it was not "
+                                      f"written by a zero stage 2/3 run; load it with zero stage 0/1, or merge it")
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
+    return state
+
+
+def has_sharded_state(path: PathLike) -> bool:
+    return (Path(path) / SHARDED_DIR).is_dir()
+
+
+def merge_sharded(path: PathLike) -> Dict[str, Any]:
+    """The full (unsharded) state of ``path/sharded`` in this one process, as plain tensors."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = Path(path) / SHARDED_DIR
+    if not folder.is_dir():
+        raise CheckpointNotFoundError(f"{path} has no sharded state to merge ({folder} is missing)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "merged.pt"
+        dcp_to_torch_save(str(folder), str(out))
+        return load_file(out)
 
 
 def read_checkpoint(path: PathLike, rank: int = 0, world_size: Optional[int] = None

@@ -258,8 +258,30 @@ class Engine:
                                      for p in self.unwrapped_model.parameters()]
         return state
 
+    @property
+    def shards_state(self) -> bool:
+        """True with ZeRO stage 2/3: model and optimizer state live as shards across ranks."""
+        return getattr(self.strategy, "shards_gradients", False)
+
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """Model and optimizer state as this rank's shards (DTensors), for torch.distributed.checkpoint."""
+        return self.strategy.sharded_state_dict(self._model, self._optimizer)
+
+    def load_sharded_state_dict(self, state: Dict[str, Any]):
+        self.strategy.load_sharded_state_dict(self._model, self._optimizer, state)
+
+    def state_dict_without_shards(self) -> Dict[str, Any]:
+        """Everything but model and optimizer (which ``sharded_state_dict`` holds)."""
+        state = {"precision": self.precision.state_dict(), "accumulation": self.window.state_dict(),
+                 "num_updates": self.num_updates}
+        if not self.window.at_start:
+            raise RuntimeError("a sharded checkpoint cannot be taken inside an accumulation window; save at an "
+                               "optimizer step boundary")
+        return state
+
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True):
-        self.strategy.load_model_state_dict(self._model, state["model"], strict=strict)
+        if "model" in state:
+            self.strategy.load_model_state_dict(self._model, state["model"], strict=strict)
         if "optimizer" in state:
             self.strategy.load_optimizer_state_dict(self._model, self._optimizer, state["optimizer"])
         self.precision.load_state_dict(state.get("precision", {}))

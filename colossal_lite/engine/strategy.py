@@ -73,6 +73,14 @@ class SingleProcess:
         return optimizer.state_dict()
 
     def load_optimizer_state_dict(self, model, optimizer, state: dict):
+        groups = state.get("param_groups") or []
+        if groups and groups[0].get("params") and isinstance(groups[0]["params"][0], str):
+            # keyed by parameter name (a merged sharded checkpoint): let torch map names to parameters
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.unwrap(model), optimizer, state,
+                                     options=StateDictOptions(full_state_dict=True))
+            return
         optimizer.load_state_dict(state)
 
 

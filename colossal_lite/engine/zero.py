@@ -162,6 +162,17 @@ class FSDPStrategy(SingleProcess):
                                f"unexpected keys {unexpected}, shape mismatches {shapes}")
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
+    def sharded_state_dict(self, model, optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load_sharded_state_dict(self, model, optimizer, state):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
     def optimizer_state_dict(self, model, optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
