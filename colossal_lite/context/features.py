@@ -35,7 +35,9 @@ def describe_features(config: dict, world_size: Optional[int] = None) -> List[st
     if accum == "auto":
         lines.append("gradient accumulation: automatic (split a batch into more micro-batches when it runs out of memory)")
     elif accum and accum > 1:
-        lines.append(f"gradient accumulation: {accum} micro-batches per optimizer step (loss divided by the window size)")
+        how = {"sum": "losses added up", "per-token-mean": "losses weighed by their real-token counts"}.get(
+            config.get("grad_reduction"), "loss divided by the window size")
+        lines.append(f"gradient accumulation: {accum} micro-batches per optimizer step ({how})")
     else:
         lines.append("gradient accumulation: off (one optimizer step per batch)")
     for key in ("micro_batch_size", "global_batch_size"):
@@ -60,7 +62,10 @@ def describe_features(config: dict, world_size: Optional[int] = None) -> List[st
         lines.append(f"data parallel: torch DistributedDataParallel{kw} when the world size is > 1{where}")
     red = config.get("grad_reduction")
     if red:
-        lines.append(f"gradient reduction: {red}")
+        what = {"mean": "mean over micro-batches and ranks",
+                "sum": "sum over micro-batches and ranks",
+                "per-token-mean": "mean over every real token of the global batch (criterion returns (loss_sum, tokens))"}
+        lines.append(f"gradient reduction: {what[red]}")
     comp = config.get("compile")
     if comp:
         lines.append(f"compile: torch.compile({'' if comp is True else _fmt(comp)})")

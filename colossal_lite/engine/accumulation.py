@@ -23,6 +23,7 @@ class AccumulationWindow:
         self.current_size = size  # micro-batches in the current window
         self.correction = 1.0  # gradient rescale for a window cut short by an unsized loader
         self.remaining: Optional[int] = None  # micro-batches left in the epoch, counting the current one
+        self.tokens: Optional[torch.Tensor] = None  # real tokens seen in this window (grad_reduction='per-token-mean')
 
     def begin_backward(self):
         """-> (loss divisor, whether this micro-step ends the window)."""
@@ -51,15 +52,17 @@ class AccumulationWindow:
     def reset(self):
         self.micro_step = 0
         self.correction = 1.0
+        self.tokens = None
 
     def state_dict(self):
         return {"size": self.size, "micro_step": self.micro_step, "current_size": self.current_size,
-                "correction": self.correction}
+                "correction": self.correction, "tokens": None if self.tokens is None else self.tokens.detach().clone()}
 
     def load_state_dict(self, state):
         self.micro_step = int(state["micro_step"])
         self.current_size = int(state["current_size"])
         self.correction = float(state["correction"])
+        self.tokens = state.get("tokens")
 
 
 class AccumulationDataLoader:

@@ -67,7 +67,6 @@ class Engine:
             raise ValueError(f"grad_reduction must be 'mean', 'sum' or 'per-token-mean', got {grad_reduction!r}")
         self.grad_reduction = grad_reduction
         self._world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        self._tokens: Optional[torch.Tensor] = None  # real tokens seen in the current window (per-token-mean)
         self._micro_tokens: Optional[torch.Tensor] = None
         self.auto_batcher = None  # an AutoMicroBatcher with gradient_accumulation='auto'
         self._compile_pending = False  # True until the first forward of a torch.compile'd model
@@ -163,7 +162,8 @@ class Engine:
             raise RuntimeError("grad_reduction='per-token-mean' needs each micro-batch's real-token count: let the "
                                "criterion return (loss_sum, num_tokens) or call engine.backward(loss, num_tokens=n)")
         self._micro_tokens = None
-        self._tokens = n if self._tokens is None else self._tokens + n
+        window = self.window
+        window.tokens = n if window.tokens is None else window.tokens + n
         return loss * n  # back to the micro-batch's token sum; divided by the global count at step()
 
     def _reduce_scale(self) -> Optional[torch.Tensor]:
@@ -171,8 +171,7 @@ class Engine:
         if self.grad_reduction == "sum":
             return torch.tensor(float(self._world)) if self._world > 1 else None
         if self.grad_reduction == "per-token-mean":
-            total = self._tokens if self._tokens is not None else torch.zeros((), device=self.device)
-            self._tokens = None
+            total = self.window.tokens if self.window.tokens is not None else torch.zeros((), device=self.device)
             if self._world > 1:
                 total = total.clone()
                 torch.distributed.all_reduce(total)  # every rank: the global real-token count

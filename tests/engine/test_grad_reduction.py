@@ -85,3 +85,40 @@ def test_sum_reduction_adds_micro_batch_gradients(launched):
             p -= 0.1 * p.grad
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_token_count_does_not_outlive_an_abandoned_window_and_survives_a_resume(launched):
+    batches = token_batches()
+    launched(dict(gradient_accumulation=2, grad_reduction="per-token-mean"))
+
+    def build_engine():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, VOCAB)
+        engine, loader, _, _ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5), token_loss,
+                                                        batches, verbose=False)
+        return engine, loader
+
+    engine, loader = build_engine()
+    for x, y in loader:  # break inside the first window
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        break
+    assert engine.window.tokens is not None
+    iter(loader).__next__()  # a new epoch starts: the open window (and its tokens) is dropped
+    assert engine.window.tokens is None and engine.window.micro_step == 0
+
+    # a state taken mid-window carries the token count, so the resumed update divides by all tokens
+    full, _ = build_engine()
+    half, _ = build_engine()
+    for eng, part in ((full, batches[:2]), (half, batches[:1])):
+        eng.zero_grad()
+        for x, y in part:
+            eng.backward(eng.criterion(eng(x), y))
+        eng.step()
+    resumed, _ = build_engine()
+    resumed.load_state_dict(half.state_dict())
+    x, y = batches[1]
+    resumed.backward(resumed.criterion(resumed(x), y))
+    assert resumed.step() is True
+    for p, q in zip(resumed.model.parameters(), full.model.parameters()):
+        torch.testing.assert_close(p, q)
