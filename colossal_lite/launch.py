@@ -13,8 +13,8 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from .context.config import Config
 from .context.batch_size import resolve_batch_sizes
+from .context.config import Config
 from .context.validation import validate_config
 from .core.global_context import global_context as gpc
 from .logging import get_dist_logger

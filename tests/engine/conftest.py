@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from colossal_lite.core import global_context as gpc
 
