@@ -24,6 +24,7 @@ class AccumulationWindow:
         self.correction = 1.0  # gradient rescale for a window cut short by an unsized loader
         self.remaining: Optional[int] = None  # micro-batches left in the epoch, counting the current one
         self.tokens: Optional[torch.Tensor] = None  # real tokens seen in this window (grad_reduction='per-token-mean')
+        self.restored = False  # loaded mid-window from a checkpoint: the next epoch iteration continues it
 
     def begin_backward(self):
         """-> (loss divisor, whether this micro-step ends the window)."""
@@ -63,6 +64,7 @@ class AccumulationWindow:
         self.current_size = int(state["current_size"])
         self.correction = float(state["correction"])
         self.tokens = state.get("tokens")
+        self.restored = self.micro_step > 0
 
 
 class AccumulationDataLoader:
@@ -85,8 +87,9 @@ class AccumulationDataLoader:
 
     def __iter__(self):
         window = self.window
-        if not window.at_start:  # an epoch left a window open (the loop broke early): drop it
+        if not window.at_start and not window.restored:  # an epoch left a window open (the loop broke early): drop it
             window.reset()
+        window.restored = False
         try:
             n = len(self.loader)
         except TypeError:

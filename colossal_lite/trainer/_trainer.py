@@ -1,0 +1,665 @@
+"""``Trainer``: the legacy fit / evaluate / predict loop as an event loop over one ``State``.
+
+Each training iteration runs the engine's parts itself (load batch, split, forward, criterion,
+backward, step) so hooks can replace the batch, the target or the loss between them; with no
+hook subscribed it computes exactly what ``zero_grad(); execute_schedule(); step()`` computes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ..core.global_context import global_context as gpc
+from ..engine.schedule import call_criterion, call_with, move_to_device
+from ..logging import DistributedLogger, get_dist_logger
+from ..utils.data import DataParallelSampler, batches_per_epoch, skip_batches
+from ..utils.timer import MultiTimer
+from .events import ENGINE_EVENTS, Event
+from .hooks._base_hook import BaseHook
+from .hooks._log_hook import log_rank_0
+from .progress import make_progress
+from .state import State
+from .time import Interval, Time, TimeUnit
+
+__all__ = ["Trainer", "TestModeResult"]
+
+_END = object()
+
+
+class _NullTimer:
+    """Stands in for ``MultiTimer`` when the run has no timer."""
+
+    def start(self, name):
+        pass
+
+    def stop(self, name, keep_in_history=False):
+        return None
+
+    def reset(self, name=None):
+        pass
+
+    def __contains__(self, name):
+        return False
+
+
+_NULL_TIMER = _NullTimer()
+
+
+class _Handlers:
+    """For each event, the tuple of bound hook methods that override it (built once per fit)."""
+
+    def __init__(self, hooks: Sequence[BaseHook] = ()):
+        for event in Event:
+            setattr(self, event.value, tuple(getattr(h, event.value) for h in hooks if _overrides(h, event.value)))
+
+
+def _overrides(hook: BaseHook, name: str) -> bool:
+    return getattr(type(hook), name, None) is not getattr(BaseHook, name) or name in getattr(hook, "__dict__", {})
+
+
+class _EngineEvents:
+    """``engine.event_sink`` during a run: forwards Engine.step's events to the hooks."""
+
+    def __init__(self, trainer: "Trainer", handlers: _Handlers):
+        self.trainer = trainer
+        self.grad_norm = handlers.after_grad_norm
+        self.before_step = handlers.before_optimizer_step
+        self.after_step = handlers.after_optimizer_step
+
+    def after_grad_norm(self, norm):
+        trainer = self.trainer
+        trainer.state.grad_norm = norm
+        for fn in self.grad_norm:
+            fn(trainer, norm)
+
+    def before_optimizer_step(self):
+        for fn in self.before_step:
+            fn(self.trainer)
+
+    def after_optimizer_step(self, updated: bool):
+        trainer = self.trainer
+        trainer.state.updated = updated
+        for fn in self.after_step:
+            fn(trainer)
+
+
+@dataclass
+class TestModeResult:
+    """What ``fit(..., test_mode=True)`` ran and found; ``str()`` is the one-line verdict, ``bool()`` is ``ok``."""
+
+    __test__ = False  # not a pytest class
+
+    ok: bool
+    message: str
+    train_batches: int
+    eval_batches: int
+    train_loss: float
+    eval_loss: Optional[float]
+    optimizer_updated: bool
+    checkpoint: Optional[str] = None  # what the checkpoint round trip found (None: not run)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _loader_len(loader) -> Optional[int]:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _epoch_length(loader) -> Optional[int]:
+    """Micro-batches in a whole epoch (a resumed loader's ``len`` is only what is left of its epoch)."""
+    if _loader_len(loader) is None:
+        return None
+    return batches_per_epoch(loader)
+
+
+def _start_inside_epoch(loader, iters: int, skip: int) -> int:
+    """Make the next iteration of ``loader`` begin ``skip`` batches into its epoch.
+
+    A loader restored with ``load_state_dict`` already starts there; a ``get_dataloader`` loader is
+    moved by its sampler (nothing is loaded). Returns how many batches the caller must still read
+    and drop (other loaders).
+    """
+    if skip == 0 or _loader_len(loader) == iters - skip:
+        return 0
+    if isinstance(getattr(loader, "sampler", None), DataParallelSampler):
+        skip_batches(loader, skip)
+        return 0
+    return skip
+
+
+def _set_sampler_epoch(loader, epoch: int) -> None:
+    """Call ``set_epoch(epoch)`` on the loader's sampler when it has one (distributed shuffles differ per epoch)."""
+    for holder in (loader, getattr(loader, "batch_sampler", None)):
+        sampler = getattr(holder, "sampler", None)
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+            return
+
+
+def _check_count(name: str, value, allow_zero: bool = True) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise ValueError(f"fit({name}={value!r}): must be an int {bound}")
+    return value
+
+
+def _resolve_length(epochs, max_steps, max_duration, steps_per_epoch: int):
+    """-> (max_epochs, max_steps or None) from fit's arguments."""
+    if max_duration is not None:
+        if epochs is not None or max_steps is not None:
+            raise ValueError(f"fit: give max_duration or epochs/max_steps, not both (got max_duration={max_duration!r}, "
+                             f"epochs={epochs!r}, max_steps={max_steps!r})")
+        try:
+            length = Time.from_input(max_duration, default_unit=TimeUnit.EPOCH)
+        except ValueError as err:
+            raise ValueError(f"fit(max_duration={max_duration!r}): {err}") from None
+        if length.unit is TimeUnit.DURATION:
+            raise ValueError(f"fit(max_duration={max_duration!r}): 'dur' is a fraction of the run, so it cannot set the "
+                             f"run's length; use epochs ('10ep') or optimizer steps ('500ba')")
+        if length.unit is TimeUnit.EPOCH:
+            return int(length.value), None
+        return math.ceil(length.value / steps_per_epoch), int(length.value)
+    if epochs is None and max_steps is None:
+        raise ValueError("fit needs the run's length: epochs=..., max_steps=... or max_duration='10ep' / '500ba'")
+    if max_steps is not None:
+        _check_count("max_steps", max_steps)
+    if epochs is None:
+        return math.ceil(max_steps / steps_per_epoch), max_steps
+    return _check_count("epochs", epochs), max_steps
+
+
+class Trainer:
+    """Runs ``fit`` / ``evaluate`` / ``predict`` on an ``Engine``, calling hooks at each event.
+
+    ``timer``: a ``MultiTimer`` timing ``Train-epoch``, ``Train-step``, ``Test-epoch``, ``Test-step``
+    (None: no timing, unless a hook such as ``LogTimingByEpochHook`` brings one). ``logger``: when given,
+    the hooks in use and the step-limit stop are logged (legacy ``verbose``).
+    """
+
+    def __init__(self, engine, timer: Optional[MultiTimer] = None, logger=None):
+        self._engine = engine
+        self._timer = timer
+        self._run_timer: Any = timer if timer is not None else _NULL_TIMER
+        self._logger = logger
+        self._verbose = logger is not None
+        self.state = State()
+        self.hooks: List[BaseHook] = []
+        self._h = _Handlers()
+        self._step_from_epoch = False
+        self._pending_hook_states: Optional[Dict[str, Any]] = None
+        self._saved_engine_events = None
+
+    # -- legacy properties -----------------------------------------------------------------------
+    @property
+    def engine(self):
+        return self._engine
+
+    @property
+    def states(self) -> Dict[str, Any]:
+        """The legacy dict: ``states['metrics']['train'|'test'][name]``, ``states['step_metrics']``."""
+        return self.state.states
+
+    @property
+    def cur_epoch(self) -> int:
+        """Index of the current epoch (0-based); set it to resume from the start of that epoch."""
+        return self.state.epoch
+
+    @cur_epoch.setter
+    def cur_epoch(self, epoch: int) -> None:
+        self.state.epoch = _check_count("cur_epoch", epoch)
+        self.state.batch_idx = 0
+        self._step_from_epoch = True  # fit sets cur_step = cur_epoch * steps_per_epoch
+
+    @property
+    def cur_step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.state.step
+
+    @property
+    def max_epochs(self) -> Optional[int]:
+        return self.state.max_epochs
+
+    @property
+    def max_steps(self) -> Optional[int]:
+        return self.state.max_steps
+
+    @property
+    def steps_per_epoch(self) -> Optional[int]:
+        """Optimizer steps per epoch: ceil(len(train_dataloader) / gradient accumulation)."""
+        return self.state.steps_per_epoch
+
+    @property
+    def timer(self):
+        """The timer of the current run (None when nothing is timed)."""
+        return None if self._run_timer is _NULL_TIMER else self._run_timer
+
+    def use_timer(self, timer: Optional[MultiTimer] = None) -> MultiTimer:
+        """The timer the loop uses this run; when the Trainer has none, ``timer`` (or a new one) is used."""
+        if self._run_timer is _NULL_TIMER:
+            self._run_timer = timer if timer is not None else MultiTimer()
+        return self._run_timer
+
+    # -- events ----------------------------------------------------------------------------------
+    def fire(self, event: Union[Event, str], *args) -> None:
+        """Call every attached hook that handles ``event`` with ``(trainer, *args)``, in priority order."""
+        for fn in getattr(self._h, Event(event).value):
+            fn(self, *args)
+
+    def _call_hooks(self, func: str, output=None) -> None:  # legacy name
+        self.fire(func, *(output or ()))
+
+    def _attach(self, hooks, purpose: str) -> None:
+        if hooks is None:
+            hooks = []
+        if not isinstance(hooks, (list, tuple)):
+            raise TypeError(f"hooks must be a list of hooks, got {type(hooks).__name__}")
+        for i, hook in enumerate(hooks):
+            if not isinstance(hook, BaseHook):
+                raise TypeError(f"hooks[{i}] is a {type(hook).__name__}, not a hook: subclass "
+                                f"colossal_lite.trainer.hooks.BaseHook")
+            priority = getattr(hook, "priority", None)
+            if isinstance(priority, bool) or not isinstance(priority, (int, float)):
+                raise TypeError(f"hooks[{i}] ({type(hook).__name__}) has priority {priority!r}; it must be a number")
+        self.hooks = sorted(hooks, key=lambda h: h.priority)  # stable: ties keep the list's order
+        self._h = _Handlers(self.hooks)
+        engine = self._engine
+        if getattr(engine, "auto_batcher", None) is not None:
+            inside = [f"{type(hk).__name__}.{e.value}" for e in (Event.AFTER_FORWARD, Event.AFTER_LOSS,
+                                                                Event.BEFORE_BACKWARD)
+                      for hk in self.hooks if _overrides(hk, e.value)]
+            if inside:
+                raise ValueError(f"gradient_accumulation='auto' runs forward, loss and backward as one unit (a batch "
+                                 f"that runs out of memory is retried in pieces), so no hook can act between them; "
+                                 f"these hooks try to: {', '.join(inside)}. Use a fixed gradient_accumulation with them")
+        if self._verbose:
+            for hook in self.hooks:
+                log_rank_0(self._logger, f"Using {type(hook).__name__} for {purpose}, priority = {hook.priority}")
+            if self.hooks:
+                log_rank_0(self._logger, "Lower value means higher priority for calling hook function")
+        self._saved_engine_events = (engine.event_sink, engine.measure_grad_norm)
+        if any(getattr(self._h, e.value) for e in ENGINE_EVENTS):
+            engine.event_sink = _EngineEvents(self, self._h)
+        if self._h.after_grad_norm:
+            engine.measure_grad_norm = True
+        self.fire(Event.AFTER_HOOK_IS_ATTACHED)
+        if self._pending_hook_states is not None:
+            self._load_hook_states(self._pending_hook_states)
+            self._pending_hook_states = None
+
+    def _detach(self) -> None:
+        if self._saved_engine_events is not None:
+            self._engine.event_sink, self._engine.measure_grad_norm = self._saved_engine_events
+            self._saved_engine_events = None
+        self._run_timer = self._timer if self._timer is not None else _NULL_TIMER
+        st = self.state
+        st.phase = None
+        st.fitting = False
+        st.clear_iteration()
+
+    # -- fit ---------------------------------------------------------------------------------------
+    def fit(self, train_dataloader: Iterable, epochs: Optional[int] = None, max_steps: Optional[int] = None,
+            test_dataloader: Optional[Iterable] = None, test_interval: Union[int, str, Time] = 1,
+            hooks: Optional[List[BaseHook]] = None, display_progress: bool = False, return_output_label: bool = True,
+            max_duration: Union[int, str, Time, None] = None, test_mode: bool = False):
+        """Train for ``epochs`` epochs in total (or ``max_steps`` optimizer steps, or ``max_duration``).
+
+        Evaluates on ``test_dataloader`` every ``test_interval`` (int epochs, ``'2ep'``, ``'500ba'``,
+        ``'0.25dur'``) and once more at the end of training if the last step was not evaluated.
+        ``test_mode=True`` runs one optimizer step and one evaluation batch and returns a ``TestModeResult``.
+        """
+        iters = _epoch_length(train_dataloader)
+        if iters is None:
+            raise TypeError(f"fit(train_dataloader=...) needs a loader with a length (len(loader)) to count epochs; "
+                            f"got {type(train_dataloader).__name__}")
+        if iters == 0:
+            raise ValueError("fit(train_dataloader=...) is empty: len(train_dataloader) == 0")
+        st = self.state
+        steps_per_epoch = math.ceil(iters / self._engine.window.size)
+        max_epochs, max_steps = _resolve_length(epochs, max_steps, max_duration, steps_per_epoch)
+        total = max_epochs * steps_per_epoch
+        total_steps = max(1, total if max_steps is None else min(total, max_steps))
+        try:
+            interval = Interval(test_interval).bind(steps_per_epoch, total_steps)
+        except ValueError as err:
+            raise ValueError(f"fit(test_interval={test_interval!r}): {err}") from None
+        if self._step_from_epoch:
+            st.step = st.epoch * steps_per_epoch
+            self._step_from_epoch = False
+        st.reset_states()
+        st.stop_training, st.stop_reason, st.last_eval_step = False, None, None
+        st.max_epochs, st.max_steps, st.total_steps = max_epochs, max_steps, total_steps
+        st.steps_per_epoch, st.iters_per_epoch = steps_per_epoch, iters
+        st.fitting, st.will_test = True, test_dataloader is not None
+        display = bool(display_progress) and gpc.get_global_rank() == 0
+        run = _Run(train_dataloader, test_dataloader, interval, display, return_output_label)
+
+        try:
+            self._attach(hooks, "training")
+            if test_mode:
+                return self._test_mode(run)
+            self._engine.train()
+            self.fire(Event.BEFORE_TRAIN)
+            for epoch in range(st.epoch, max_epochs):
+                if st.max_steps_reached:
+                    break
+                self._train_epoch(run, epoch)
+                self._evaluate_after_epoch(run)
+                if st.batch_idx >= iters:  # a finished epoch; a cut-short one is continued by the next fit
+                    st.epoch += 1
+                    st.batch_idx = 0
+                if st.max_steps_reached:
+                    if self._verbose:
+                        log_rank_0(self._logger, f"Max number of steps {max_steps} has been reached, "
+                                                 f"training is stopped automatically")
+                    break
+                if st.stop_training:
+                    log_rank_0(self._logger, f"Training stopped at epoch {epoch}, step {st.step}: "
+                                             f"{st.stop_reason or 'state.stop_training was set by a hook'}")
+                    break
+            self.fire(Event.AFTER_TRAIN)
+        finally:
+            self._detach()
+        return None
+
+    def _train_epoch(self, run: "_Run", epoch: int) -> None:
+        st, engine, timer = self.state, self._engine, self._run_timer
+        engine.train()
+        st.phase = "train"
+        _set_sampler_epoch(run.train_loader, epoch)
+        skip = st.batch_idx  # resuming inside the epoch: start after the batches already trained on
+        drop = _start_inside_epoch(run.train_loader, st.iters_per_epoch, skip)
+        data_iter = iter(run.train_loader)
+        for _ in range(drop):
+            next(data_iter)
+        st.epoch_start_step = st.step - skip // engine.window.size
+        progress = make_progress(run.display, f"[Epoch {epoch} / Train]", st.iters_per_epoch - skip, self.states)
+        step_eval = run.interval.unit is not TimeUnit.EPOCH and run.test_loader is not None
+        self.fire(Event.BEFORE_TRAIN_EPOCH)
+        timer.start("Train-epoch")
+        for _ in range(skip, st.iters_per_epoch):
+            self._train_iter(data_iter, run.return_output_label)
+            progress.advance()
+            if st.stepped:
+                if step_eval and run.interval.is_step_boundary(st.step):
+                    progress.pause()  # one live bar at a time
+                    self._eval(run.test_loader, epoch, run.display, run.return_output_label)
+                    progress.resume()
+                if st.max_steps_reached:
+                    break
+            if st.stop_training:
+                break
+        timer.stop("Train-epoch", keep_in_history=True)
+        progress.close()
+        self.fire(Event.AFTER_TRAIN_EPOCH)
+        timer.reset("Train-epoch")
+
+    def _train_iter(self, data_iter, return_output_label: bool) -> None:
+        """One micro-batch: the engine loop's steps with the iteration events between them."""
+        st, engine, h, timer = self.state, self._engine, self._h, self._run_timer
+        schedule = engine.schedule
+        for fn in h.before_train_iter:
+            fn(self)
+        timer.start("Train-step")
+        if h.before_zero_grad and engine.window.at_start:
+            for fn in h.before_zero_grad:
+                fn(self)
+        engine.zero_grad()
+        st.stepped = st.updated = False
+        batch = schedule.load_batch(data_iter, engine.device)
+        st.batch = batch
+        st.data, st.label = schedule.split(batch)
+        if h.after_batch_loaded:
+            for fn in h.after_batch_loaded:
+                fn(self)
+            if st.batch is not batch:  # a hook replaced the whole batch
+                st.data, st.label = schedule.split(st.batch)
+        for fn in h.before_forward:
+            fn(self)
+        if engine.auto_batcher is None:
+            st.output = call_with(engine, st.data)
+            for fn in h.after_forward:
+                fn(self)
+            st.loss = call_criterion(engine.criterion, st.output, st.label)
+            for fn in h.after_loss:
+                fn(self)
+            for fn in h.before_backward:
+                fn(self)
+            engine.backward(st.loss)
+        else:  # gradient_accumulation='auto': forward, loss and backward run as one unit (retried on OOM)
+            engine.window.begin_backward()
+            st.output, st.loss = engine.auto_batcher.run(engine, st.data, st.label)
+        for fn in h.after_backward:
+            fn(self)
+        if engine.window.ready:
+            st.updated = engine.step()
+            st.stepped = True
+            st.step += 1
+            st.grad_norm = engine.grad_norm
+        st.iteration += 1
+        st.batch_idx += 1
+        timer.stop("Train-step", keep_in_history=True)
+        if h.after_train_iter:
+            if return_output_label:
+                args = (st.output, st.label, st.loss)
+            else:
+                args = (None, None, st.loss)
+            for fn in h.after_train_iter:
+                fn(self, *args)
+
+    def _evaluate_after_epoch(self, run: "_Run") -> None:
+        """Evaluate when the epochs completed are a multiple of an ep interval, and at the end of training."""
+        st = self.state
+        if run.test_loader is None or st.last_eval_step == st.step:
+            return
+        completed = st.epoch + 1
+        last = completed >= st.max_epochs or st.max_steps_reached or st.stop_training
+        if last or run.interval.is_epoch_boundary(completed):
+            self._eval(run.test_loader, st.epoch, run.display, run.return_output_label)
+
+    # -- evaluate ----------------------------------------------------------------------------------
+    def evaluate(self, test_dataloader: Iterable, hooks: Optional[List[BaseHook]] = None, display_progress: bool = False,
+                 return_output_label: bool = True) -> Dict[str, float]:
+        """Run the model over ``test_dataloader`` without gradients; returns the test metrics' values (all ranks)."""
+        st = self.state
+        st.reset_states()
+        st.fitting, st.will_test = False, True
+        try:
+            self._attach(hooks, "evaluation")
+            display = bool(display_progress) and gpc.get_global_rank() == 0
+            self._eval(test_dataloader, None, display, return_output_label)
+            return {name: metric.get_accumulated_value() for name, metric in self.states["metrics"]["test"].items()}
+        finally:
+            self._detach()
+
+    def _eval(self, loader, epoch: Optional[int], display: bool, return_output_label: bool,
+              max_batches: Optional[int] = None) -> int:
+        st, engine, h, timer = self.state, self._engine, self._h, self._run_timer
+        schedule = engine.schedule
+        was_training = engine.training
+        engine.eval()
+        st.phase = "test"
+        total = _loader_len(loader)
+        if max_batches is not None:
+            total = max_batches if total is None else min(total, max_batches)
+        has_criterion = engine.criterion.wrapped is not None
+        self.fire(Event.BEFORE_TEST)
+        progress = make_progress(display, "Evaluation" if epoch is None else f"[Epoch {epoch} / Test]", total,
+                                 self.states)
+        self.fire(Event.BEFORE_TEST_EPOCH)
+        timer.start("Test-epoch")
+        data_iter = iter(loader)
+        count = 0
+        with torch.no_grad():
+            while total is None or count < total:
+                if total is None:  # a loader without len: look ahead so no iteration starts past its end
+                    raw = next(data_iter, _END)
+                    if raw is _END:
+                        break
+                    source = iter((raw,))
+                else:
+                    source = data_iter
+                for fn in h.before_test_iter:
+                    fn(self)
+                timer.start("Test-step")
+                st.batch = schedule.load_batch(source, engine.device)
+                st.data, st.label = schedule.split(st.batch)
+                st.output = call_with(engine, st.data)
+                st.loss = call_criterion(engine.criterion, st.output, st.label) if has_criterion else None
+                timer.stop("Test-step", keep_in_history=True)
+                if h.after_test_iter:
+                    args = (st.output, st.label, st.loss) if return_output_label else (None, None, st.loss)
+                    for fn in h.after_test_iter:
+                        fn(self, *args)
+                count += 1
+                progress.advance()
+        timer.stop("Test-epoch", keep_in_history=True)
+        progress.close()
+        self.fire(Event.AFTER_TEST_EPOCH)
+        self.fire(Event.AFTER_TEST)
+        for name in ("Test-step", "Test-epoch"):
+            if name in timer:
+                timer.reset(name)
+        st.last_eval_step = st.step
+        if was_training:
+            engine.train()
+            st.phase = "train"
+        return count
+
+    # -- predict -----------------------------------------------------------------------------------
+    def predict(self, data: Any):
+        """The model's output for one batch of inputs (a tensor, or a list/tuple/dict spread into the model)."""
+        engine = self._engine
+        was_training = engine.training
+        engine.eval()
+        try:
+            with torch.no_grad():
+                return call_with(engine, move_to_device(data, engine.device))
+        finally:
+            if was_training:
+                engine.train()
+
+    # -- test mode -----------------------------------------------------------------------------------
+    def _test_mode(self, run: "_Run") -> TestModeResult:
+        """One optimizer step (one window of micro-batches) and one eval batch through all hooks; then a verdict."""
+        st, engine = self.state, self._engine
+        saved_progress = st.state_dict()
+        engine.train()
+        self.fire(Event.BEFORE_TRAIN)
+        st.phase = "train"
+        data_iter = iter(run.train_loader)
+        self.fire(Event.BEFORE_TRAIN_EPOCH)
+        n_train = min(engine.window.size, st.iters_per_epoch)
+        for _ in range(n_train):
+            self._train_iter(data_iter, run.return_output_label)
+            if st.stepped:
+                break
+        n_train = st.iteration - saved_progress["iteration"]
+        train_loss = st.loss.detach().float()
+        updated = st.updated
+        self.fire(Event.AFTER_TRAIN_EPOCH)
+        eval_loss, n_eval = None, 0
+        if run.test_loader is not None:
+            n_eval = self._eval(run.test_loader, st.epoch, False, run.return_output_label, max_batches=1)
+            if st.loss is not None:
+                eval_loss = st.loss.detach().float()
+        checkpoint_note = self._test_mode_checkpoint_round_trip(run)
+        self.fire(Event.AFTER_TRAIN)
+
+        params = [p for p in engine.unwrapped_model.parameters()]
+        checks = [torch.isfinite(train_loss).all()]
+        if eval_loss is not None:
+            checks.append(torch.isfinite(eval_loss).all())
+        checks.extend(torch.isfinite(p.detach()).all() for p in params)
+        flag = torch.stack(checks).all().to(torch.float32).reshape(1)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flag = flag.to(engine.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # the verdict every rank returns is the same
+        ok = bool(flag.item() > 0)
+        train_value = float(train_loss.item())
+        eval_value = None if eval_loss is None else float(eval_loss.item())
+        st.load_state_dict(saved_progress)
+
+        parts = [f"{n_train} train batch" + ("es" if n_train != 1 else "")]
+        if run.test_loader is not None:
+            parts.append(f"{n_eval} eval batch" + ("es" if n_eval != 1 else ""))
+        ran = " and ".join(parts) + " ran"
+        losses = f"train loss {train_value:.4g}" + ("" if eval_value is None else f", eval loss {eval_value:.4g}")
+        step = "optimizer step applied" if updated else "optimizer step skipped (fp16 overflow)"
+        if run.test_loader is None:
+            step += ", no test_dataloader given"
+        if checkpoint_note:
+            step += f", {checkpoint_note}"
+        verdict = "OK" if ok else "FAILED (a loss or a parameter is NaN or inf)"
+        message = f"test mode: {ran} ({losses}; {step}), loss finite: {verdict}"
+        logger = self._logger if self._logger is not None else get_dist_logger()
+        if ok:
+            log_rank_0(logger, message)
+        elif isinstance(logger, DistributedLogger):
+            logger.error(message, ranks=[0])
+        elif gpc.get_global_rank() == 0:
+            logger.error(message)
+        return TestModeResult(ok=ok, message=message, train_batches=n_train, eval_batches=n_eval,
+                              train_loss=train_value, eval_loss=eval_value, optimizer_updated=bool(updated),
+                              checkpoint=checkpoint_note)
+
+    def _test_mode_checkpoint_round_trip(self, run: "_Run") -> Optional[str]:
+        """Checkpoint issue: save the engine and trainer state to a temporary folder, load it back, compare.
+
+        Returns a few words for the verdict (e.g. ``'checkpoint round trip OK'``), or None while
+        checkpointing is not part of colossal_lite.
+        """
+        return None
+
+    # -- state ------------------------------------------------------------------------------------------
+    def _hook_keys(self) -> List[str]:
+        seen: Dict[str, int] = {}
+        keys = []
+        for hook in self.hooks:
+            name = type(hook).__name__
+            keys.append(f"{name}.{seen.get(name, 0)}")
+            seen[name] = seen.get(name, 0) + 1
+        return keys
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Progress and the state of the hooks of the last run (keys like ``'EarlyStoppingHook.0'``)."""
+        hooks = {}
+        for key, hook in zip(self._hook_keys(), self.hooks):
+            state = hook.state_dict()
+            if state:
+                hooks[key] = state
+        return {"progress": self.state.state_dict(), "hooks": hooks}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore progress now; hook states are given to the hooks when the next ``fit`` attaches them."""
+        self.state.load_state_dict(state.get("progress", {}))
+        self._step_from_epoch = False
+        self._pending_hook_states = dict(state.get("hooks", {})) or None
+
+    def _load_hook_states(self, states: Dict[str, Any]) -> None:
+        for key, hook in zip(self._hook_keys(), self.hooks):
+            if key in states:
+                hook.load_state_dict(states[key])
+
+
+class _Run:
+    """The arguments of one fit call that the loop reads."""
+
+    __slots__ = ("train_loader", "test_loader", "interval", "display", "return_output_label")
+
+    def __init__(self, train_loader, test_loader, interval: Interval, display: bool, return_output_label: bool):
+        self.train_loader = train_loader
+        self.test_loader = test_loader
+        self.interval = interval
+        self.display = display
+        self.return_output_label = return_output_label

@@ -1,0 +1,25 @@
+"""Hooks for ``Trainer.fit`` / ``Trainer.evaluate`` (the legacy ``colossalai.trainer.hooks``)."""
+from ._base_hook import BaseHook
+from ._early_stopping import EarlyStoppingHook
+from ._log_hook import LogByEpochHook, LogMemoryByEpochHook, LogMetricByEpochHook, LogTimingByEpochHook, TensorboardHook
+from ._metric_hook import (
+    AccuracyHook,
+    AccuracyMetric,
+    LearningRateMetric,
+    LogMetricByStepHook,
+    LossHook,
+    LossMetric,
+    LRSchedulerHook,
+    Metric,
+    MetricHook,
+    ThroughputHook,
+    ThroughputMetric,
+)
+from ._mixup import MixUp
+
+__all__ = [
+    "BaseHook", "MetricHook", "LossHook", "AccuracyHook", "LRSchedulerHook", "LogMetricByStepHook",
+    "LogMetricByEpochHook", "TensorboardHook", "LogTimingByEpochHook", "LogMemoryByEpochHook", "ThroughputHook",
+    "EarlyStoppingHook", "MixUp", "LogByEpochHook",
+    "Metric", "LossMetric", "AccuracyMetric", "LearningRateMetric", "ThroughputMetric",
+]

@@ -1,0 +1,121 @@
+"""``BaseHook``: one method per event; override the ones you need.
+
+A hook changes the run by changing ``trainer.state`` (see ``docs/trainer.md`` for what each event
+may change). The trainer calls only the methods a hook overrides, in priority order.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+__all__ = ["BaseHook"]
+
+
+class BaseHook:
+    """Base class of every hook. Lower ``priority`` runs first; ties keep the order of the hook list.
+
+    ``priority`` is a class attribute too (10), so a subclass whose ``__init__`` does not call
+    ``super().__init__()`` still has one.
+    """
+
+    priority: int = 10
+
+    def __init__(self, priority: Optional[int] = None) -> None:
+        if priority is not None:
+            if isinstance(priority, bool) or not isinstance(priority, (int, float)):
+                raise TypeError(f"{type(self).__name__}(priority=...) must be a number (lower runs first), "
+                                f"got {priority!r}")
+            self.priority = priority
+
+    # -- legacy lifecycle ------------------------------------------------------------------------
+    def after_hook_is_attached(self, trainer) -> None:
+        """Once per ``fit``/``evaluate``, after the hooks are sorted: register metrics, read the run's shape."""
+
+    def before_train(self, trainer) -> None:
+        pass
+
+    def after_train(self, trainer) -> None:
+        pass
+
+    def before_train_epoch(self, trainer) -> None:
+        pass
+
+    def after_train_epoch(self, trainer) -> None:
+        pass
+
+    def before_train_iter(self, trainer) -> None:
+        pass
+
+    def after_train_iter(self, trainer, output, label, loss) -> None:
+        pass
+
+    def before_test(self, trainer) -> None:
+        pass
+
+    def after_test(self, trainer) -> None:
+        pass
+
+    def before_test_epoch(self, trainer) -> None:
+        pass
+
+    def after_test_epoch(self, trainer) -> None:
+        pass
+
+    def before_test_iter(self, trainer) -> None:
+        pass
+
+    def after_test_iter(self, trainer, output, label, loss) -> None:
+        pass
+
+    # -- inside a training iteration (two-way: change trainer.state) -----------------------------
+    def before_zero_grad(self, trainer) -> None:
+        """Gradients are about to be cleared (first micro-batch of an accumulation window only)."""
+
+    def after_batch_loaded(self, trainer) -> None:
+        """``state.batch`` is on the device and split into ``state.data`` / ``state.label``; replace any of them."""
+
+    def before_forward(self, trainer) -> None:
+        pass
+
+    def after_forward(self, trainer) -> None:
+        """``state.output`` is set; the loss is not computed yet (``state.label`` may still be replaced)."""
+
+    def after_loss(self, trainer) -> None:
+        """``state.loss`` is set; replace it to change what is back-propagated."""
+
+    def before_backward(self, trainer) -> None:
+        pass
+
+    def after_backward(self, trainer) -> None:
+        pass
+
+    def after_grad_norm(self, trainer, grad_norm) -> None:
+        """The global L2 norm of the gradients (a device tensor), before the optimizer step."""
+
+    def before_optimizer_step(self, trainer) -> None:
+        pass
+
+    def after_optimizer_step(self, trainer) -> None:
+        """``state.updated`` says whether the parameters changed (False when fp16 skipped the step)."""
+
+    # -- checkpoints (fired by checkpoint hooks) -------------------------------------------------
+    def on_save_checkpoint(self, trainer, checkpoint: Dict[str, Any]) -> None:
+        """Add entries to ``checkpoint`` (a dict about to be saved)."""
+
+    def on_load_checkpoint(self, trainer, checkpoint: Dict[str, Any]) -> None:
+        """Read entries back from a loaded ``checkpoint``."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What this hook needs to resume (empty for stateless hooks)."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+    # -- legacy helper ---------------------------------------------------------------------------
+    def init_runner_states(self, trainer, key: str, val: Any) -> None:
+        """Set ``trainer.states[key] = val`` unless the key is already there."""
+        if key not in trainer.states:
+            trainer.states[key] = val
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(priority={self.priority})"

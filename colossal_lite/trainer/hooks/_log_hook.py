@@ -1,0 +1,253 @@
+"""Hooks that report: metric lines per epoch, TensorBoard scalars, timings, memory.
+
+Values that need a collective (epoch metrics) are computed on every rank, whichever rank writes.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, List, Optional, Tuple, Union
+
+import torch
+
+from ...context.parallel_mode import ParallelMode
+from ...core.global_context import global_context as gpc
+from ...logging import DistributedLogger, get_dist_logger
+from ...utils.memory import report_memory_usage
+from ...utils.timer import MultiTimer
+from ..progress import format_number, to_number
+from ..time import Time
+from ._base_hook import BaseHook
+from ._utils import bind_interval, due_at_epoch_end, is_rank_0, make_interval
+
+__all__ = ["LogByEpochHook", "LogMetricByEpochHook", "TensorboardHook", "LogTimingByEpochHook", "LogMemoryByEpochHook"]
+
+
+def log_rank_0(logger, message: str) -> None:
+    """``logger.info(message)`` on rank 0 only (works for colossal_lite and standard loggers)."""
+    if not is_rank_0():
+        return
+    if logger is None:
+        logger = get_dist_logger()
+    if isinstance(logger, DistributedLogger):
+        logger.info(message, ranks=[0])
+    else:
+        logger.info(message)
+
+
+def metrics_line(metrics: dict) -> str:
+    """``'Loss = 0.51 | LR = 0.1'`` from a phase's metrics; reads epoch values (a collective: every rank calls it)."""
+    parts = []
+    for name, metric in metrics.items():
+        if hasattr(metric, "get_accumulated_info"):
+            text = metric.get_accumulated_info()
+        else:
+            text = format_number(metric.get_accumulated_value())
+        parts.append(f"{name} = {text}")
+    return " | ".join(parts)
+
+
+def _epoch_label(trainer, phase: str) -> str:
+    if phase == "Test" and not trainer.state.fitting:
+        return "[Evaluation]"
+    return f"[Epoch {trainer.cur_epoch} / {phase}]"
+
+
+class LogByEpochHook(BaseHook):
+    """Base of hooks that act at the end of every ``interval`` (int epochs, or ``'2ep'``/``'100ba'``/``'0.5dur'``)."""
+
+    def __init__(self, logger=None, interval: Union[int, str, Time] = 1, priority: int = 1):
+        super().__init__(priority)
+        self.logger = logger if logger is not None else get_dist_logger()
+        self._interval = make_interval(interval, type(self).__name__)
+
+    def after_hook_is_attached(self, trainer):
+        bind_interval(self._interval, trainer)
+
+    def _is_epoch_to_log(self, trainer) -> bool:
+        return due_at_epoch_end(self._interval, trainer)
+
+
+class LogMetricByEpochHook(LogByEpochHook):
+    """Logs ``[Epoch e / Train]: Loss = ... | LR = ...`` every ``interval``, and ``[Epoch e / Test]: ...`` after each evaluation.
+
+    ``e`` is ``trainer.cur_epoch`` (0-based). Evaluation outside ``fit`` is labelled ``[Evaluation]``.
+    """
+
+    def __init__(self, logger=None, interval: Union[int, str, Time] = 1, priority: int = 10):
+        super().__init__(logger, interval, priority)
+
+    def after_train_epoch(self, trainer):
+        if self._is_epoch_to_log(trainer):
+            line = metrics_line(trainer.states["metrics"]["train"])
+            if line:
+                log_rank_0(self.logger, f"{_epoch_label(trainer, 'Train')}: {line}")
+
+    def after_test_epoch(self, trainer):
+        line = metrics_line(trainer.states["metrics"]["test"])
+        if line:
+            log_rank_0(self.logger, f"{_epoch_label(trainer, 'Test')}: {line}")
+
+
+class TensorboardHook(BaseHook):
+    """Writes metrics as TensorBoard scalars to ``log_dir/{mode}_rank_{rank}`` (e.g. ``global_rank_0``).
+
+    Training metrics that are not epoch-only (train ``Loss``, per-step ``LR``) get one point per optimizer
+    step, tag ``'{name}/train'``, x = ``trainer.cur_step``; they are kept as device tensors and written in
+    batches (at most ``flush_every`` steps apart and at each epoch's end), so no step waits for the device.
+    Epoch-only metrics and all test metrics get one point per epoch / evaluation. ``ranks``: the ranks
+    (inside ``parallel_mode``) that write; None = all.
+    """
+
+    flush_every = 256  # buffered points before a write
+
+    def __init__(self, log_dir: str, ranks: Optional[Iterable[int]] = None,
+                 parallel_mode: ParallelMode = ParallelMode.GLOBAL, priority: int = 10):
+        super().__init__(priority)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise ImportError("TensorboardHook needs the tensorboard package, which is not installed: "
+                              "pip install tensorboard (or pip install 'colossal_lite[tensorboard]')") from err
+        if not isinstance(parallel_mode, ParallelMode):
+            raise TypeError(f"TensorboardHook(parallel_mode=...) must be a ParallelMode, got {parallel_mode!r}")
+        self._writer_cls = SummaryWriter
+        self._rank = gpc.get_local_rank(parallel_mode)
+        self._is_valid_rank_to_log = ranks is None or self._rank in set(ranks)
+        self.log_dir = os.path.join(str(log_dir), f"{parallel_mode.value}_rank_{self._rank}")
+        self.writer = None
+        self._pending: List[Tuple[str, Any, int]] = []
+
+    def after_hook_is_attached(self, trainer):
+        if self._is_valid_rank_to_log and self.writer is None:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self.writer = self._writer_cls(log_dir=self.log_dir, filename_suffix=f"_rank_{self._rank}")
+
+    def _flush_pending(self) -> None:
+        if not self._pending:
+            return
+        tensors = [v.detach().float().reshape(()) for _, v, _ in self._pending if isinstance(v, torch.Tensor)]
+        numbers = iter(torch.stack(tensors).tolist() if tensors else [])  # one device read for the batch
+        for tag, value, step in self._pending:
+            number = next(numbers) if isinstance(value, torch.Tensor) else to_number(value)
+            self.writer.add_scalar(tag, number, step)
+        self._pending.clear()
+
+    def after_train_iter(self, trainer, *args):
+        if not (self._is_valid_rank_to_log and trainer.state.stepped):
+            return
+        step = trainer.state.step
+        for name, metric in trainer.states["metrics"]["train"].items():
+            if not metric.epoch_only:
+                value = metric.last_step_value()
+                if value is not None:
+                    self._pending.append((f"{name}/train", value, step))
+        if len(self._pending) >= self.flush_every:
+            self._flush_pending()
+
+    def _write_epoch_values(self, trainer, phase: str, only_epoch_only: bool) -> None:
+        values = [(name, metric.get_accumulated_value())  # on every rank: a collective
+                  for name, metric in trainer.states["metrics"][phase].items()
+                  if metric.epoch_only or not only_epoch_only]
+        if self._is_valid_rank_to_log:
+            self._flush_pending()
+            for name, value in values:
+                self.writer.add_scalar(f"{name}/{phase}", value, trainer.state.step)
+            self.writer.flush()
+
+    def after_train_epoch(self, trainer):
+        self._write_epoch_values(trainer, "train", only_epoch_only=True)
+
+    def after_test_epoch(self, trainer):
+        self._write_epoch_values(trainer, "test", only_epoch_only=False)
+
+    def after_train(self, trainer):
+        if self.writer is not None:
+            self._flush_pending()
+            self.writer.flush()
+
+    def close(self) -> None:
+        """Write what is buffered and close the event file."""
+        if self.writer is not None:
+            self._flush_pending()
+            self.writer.close()
+            self.writer = None
+
+
+class LogTimingByEpochHook(LogByEpochHook):
+    """Logs the trainer's timers: ``[Epoch e / Train]: Train-epoch: last = 1.2 s | Train-step: last = ..., mean = ... s``.
+
+    Uses the Trainer's timer when it has one, else ``timer`` (a ``MultiTimer``; one is made if None)
+    becomes the Trainer's timer for the run. The first ``ignore_num_train_steps`` training iterations
+    are left out of the step mean (warm-up). Timing waits for the device at each timer start/stop.
+    """
+
+    def __init__(self, timer: Optional[MultiTimer], logger=None, interval: Union[int, str, Time] = 1, priority: int = 10,
+                 log_eval: bool = True, ignore_num_train_steps: int = 0):
+        super().__init__(logger, interval, priority)
+        self._timer = timer
+        self._log_eval = bool(log_eval)
+        self._ignore = int(ignore_num_train_steps)
+        self._steps_seen = 0
+        self._step_sum = 0.0
+        self._step_count = 0
+
+    def after_hook_is_attached(self, trainer):
+        super().after_hook_is_attached(trainer)
+        self._timer = trainer.use_timer(self._timer)
+
+    def after_train_iter(self, trainer, *args):
+        if "Train-step" not in self._timer:
+            return
+        self._steps_seen += 1
+        if self._steps_seen > self._ignore:
+            self._step_sum += self._timer.get_timer("Train-step").get_elapsed_time()
+            self._step_count += 1
+
+    def _describe(self, prefix: str) -> str:
+        parts = []
+        for name, timer in self._timer:
+            if not name.startswith(prefix):
+                continue
+            text = f"{name}: last = {timer.get_elapsed_time():.4g} s"
+            if name == "Train-step":
+                if self._step_count:
+                    text += f", mean = {self._step_sum / self._step_count:.4g} s"
+            elif timer.has_history:
+                text += f", mean = {timer.get_history_mean():.4g} s"
+            parts.append(text)
+        return " | ".join(parts)
+
+    def after_train_epoch(self, trainer):
+        if self._is_epoch_to_log(trainer):
+            msg = self._describe("Train")
+            log_rank_0(self.logger, f"{_epoch_label(trainer, 'Train')}: {msg} | #steps/epoch = {trainer.steps_per_epoch}")
+
+    def after_test_epoch(self, trainer):
+        if self._log_eval:
+            log_rank_0(self.logger, f"{_epoch_label(trainer, 'Test')}: {self._describe('Test')}")
+
+
+class LogMemoryByEpochHook(LogByEpochHook):
+    """Logs memory use (GPU, and process CPU memory with ``report_cpu`` or without CUDA) on rank 0:
+    before training, after every ``interval`` of training, and after each evaluation (``log_eval``)."""
+
+    def __init__(self, logger=None, interval: Union[int, str, Time] = 1, priority: int = 10, log_eval: bool = True,
+                 report_cpu: bool = False):
+        super().__init__(logger, interval, priority)
+        self._log_eval = bool(log_eval)
+        self._report_cpu = bool(report_cpu)
+
+    def _report(self, message: str) -> None:
+        if is_rank_0():
+            report_memory_usage(message, self.logger, report_cpu=self._report_cpu)
+
+    def before_train(self, trainer):
+        self._report("Before-train")
+
+    def after_train_epoch(self, trainer):
+        if self._is_epoch_to_log(trainer):
+            self._report(_epoch_label(trainer, "Train"))
+
+    def after_test(self, trainer):
+        if self._log_eval:
+            self._report(_epoch_label(trainer, "Test"))

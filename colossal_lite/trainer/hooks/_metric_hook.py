@@ -1,0 +1,569 @@
+"""Metrics and the hooks that feed them.
+
+A metric accumulates on the device during an epoch (no host sync per step). Reading its epoch
+value (``get_accumulated_value``) all-reduces over the data-parallel ranks once, then caches the
+result until the next ``update``/``reset``, so every rank must read it at the same point and a
+second read returns the same number. ``last_step_value()`` gives the last iteration's value of
+this rank as a device tensor (or a float), for the progress display and step logs.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from ..progress import format_number, to_number
+from ._base_hook import BaseHook
+from ._utils import all_reduce_sum_, data_parallel_size, device_of
+
+__all__ = ["Metric", "LossMetric", "AccuracyMetric", "LearningRateMetric", "ThroughputMetric", "MetricHook",
+           "LossHook", "AccuracyHook", "LRSchedulerHook", "ThroughputHook", "LogMetricByStepHook"]
+
+
+def _stack(values: List[torch.Tensor]) -> torch.Tensor:
+    """1-D float32 tensor of the kept 0-dim values (one stack when they share shape and dtype)."""
+    try:
+        return torch.stack(values).float().reshape(-1)
+    except RuntimeError:  # mixed shapes or dtypes
+        return torch.stack([v.float().reshape(()) for v in values])
+
+
+class Metric:
+    """Base metric: ``reset``, ``update``, ``last_step_value`` (no sync), ``get_accumulated_value`` (all ranks)."""
+
+    def __init__(self, epoch_only: bool, device: Optional[torch.device] = None):
+        self._epoch_only = bool(epoch_only)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._cached: Optional[float] = None
+
+    @property
+    def epoch_only(self) -> bool:
+        """True when only the epoch value is meaningful (not logged per step by TensorboardHook)."""
+        return self._epoch_only
+
+    def reset(self) -> None:
+        self._cached = None
+
+    def update(self, *args, **kwargs) -> None:
+        raise NotImplementedError
+
+    def last_step_value(self) -> Any:
+        """This rank's value at the last update: a device tensor or a float, or None before any update."""
+        return None
+
+    def get_last_step_value(self) -> Any:
+        """``last_step_value()`` as a Python number (reads the device)."""
+        return to_number(self.last_step_value())
+
+    def get_accumulated_value(self) -> float:
+        """The epoch value reduced over the data-parallel ranks (cached until the next update or reset)."""
+        if self._cached is None:
+            self._cached = self._compute_accumulated()
+        return self._cached
+
+    def _compute_accumulated(self) -> float:
+        raise NotImplementedError
+
+    @staticmethod
+    def is_better(a, b) -> bool:
+        raise NotImplementedError
+
+
+class LossMetric(Metric):
+    """Mean loss per sample over the epoch (each batch's mean loss weighted by its size), over all ranks.
+
+    Per update it only keeps a reference to the loss tensor; every ``fold_every`` updates (and when read)
+    the kept losses are summed on the device in one go, so a step launches no extra device work.
+    """
+
+    fold_every = 256  # updates kept before they are summed
+
+    def __init__(self, epoch_only: bool, device: Optional[torch.device] = None):
+        super().__init__(epoch_only, device)
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self._sum: Optional[torch.Tensor] = None  # sum of loss * samples (float32, on the device), folded so far
+        self._pending: List[torch.Tensor] = []
+        self._pending_sizes: List[int] = []
+        self._count = 0  # samples
+        self._last: Optional[torch.Tensor] = None
+
+    def update(self, loss: torch.Tensor, num_samples: int = 1) -> None:
+        loss = loss.detach()
+        self._pending.append(loss)
+        self._pending_sizes.append(num_samples)
+        self._count += num_samples
+        self._last = loss
+        self._cached = None
+        if len(self._pending) >= self.fold_every:
+            self._fold()
+
+    def _fold(self) -> None:
+        if not self._pending:
+            return
+        losses = _stack(self._pending)
+        sizes = torch.tensor(self._pending_sizes, dtype=torch.float32).to(losses.device, non_blocking=True)
+        part = (losses * sizes).sum()
+        self._sum = part if self._sum is None else self._sum + part
+        self._pending, self._pending_sizes = [], []
+
+    def last_step_value(self):
+        return self._last
+
+    def _compute_accumulated(self) -> float:
+        self._fold()
+        total = self._sum if self._sum is not None else torch.zeros((), dtype=torch.float32, device=self.device)
+        buf = torch.stack([total.float(), torch.tensor(float(self._count), device=total.device)])
+        loss_sum, count = all_reduce_sum_(buf).tolist()
+        return loss_sum / count if count else float("nan")
+
+    @staticmethod
+    def is_better(a, b) -> bool:
+        return a < b
+
+
+class AccuracyMetric(Metric):
+    """Fraction of correct predictions; ``accuracy_func(logits, targets)`` returns the number correct."""
+
+    def __init__(self, epoch_only: bool, accuracy_func: Callable, device: Optional[torch.device] = None):
+        super().__init__(epoch_only, device)
+        if not callable(accuracy_func):
+            raise TypeError(f"AccuracyMetric needs a callable accuracy_func(logits, targets) -> number correct, "
+                            f"got {accuracy_func!r}")
+        self.accuracy_func = accuracy_func
+        self.reset()
+
+    fold_every = 256  # updates kept before their counts are summed
+
+    def reset(self) -> None:
+        super().reset()
+        self._correct: Optional[torch.Tensor] = None  # folded so far
+        self._pending: List[torch.Tensor] = []
+        self._total = 0
+        self._last_correct: Optional[torch.Tensor] = None
+        self._last_total = 0
+
+    def update(self, logits, targets, batch_size: Optional[int] = None) -> None:
+        if isinstance(logits, (list, tuple)):
+            logits = logits[0]
+        if isinstance(targets, (list, tuple)):
+            targets = targets[0]
+        correct = self.accuracy_func(logits, targets)
+        if not isinstance(correct, torch.Tensor):
+            correct = torch.tensor(correct, device=logits.device)
+        correct = correct.detach()
+        n = int(targets.shape[0]) if isinstance(targets, torch.Tensor) and targets.dim() > 0 else int(batch_size or 1)
+        self._pending.append(correct)
+        self._total += n
+        self._last_correct, self._last_total = correct, n
+        self._cached = None
+        if len(self._pending) >= self.fold_every:
+            self._fold()
+
+    def _fold(self) -> None:
+        if not self._pending:
+            return
+        part = _stack(self._pending).sum()
+        self._correct = part if self._correct is None else self._correct + part
+        self._pending = []
+
+    def last_step_value(self):
+        if self._last_correct is None or not self._last_total:
+            return None
+        return self._last_correct / self._last_total
+
+    def _compute_accumulated(self) -> float:
+        self._fold()
+        correct = self._correct if self._correct is not None else torch.zeros((), device=self.device)
+        buf = torch.stack([correct.float(), torch.tensor(float(self._total), device=correct.device)])
+        right, total = all_reduce_sum_(buf).tolist()
+        return right / total if total else float("nan")
+
+    @staticmethod
+    def is_better(a, b) -> bool:
+        return a > b
+
+
+class TorchmetricsMetric(Metric):
+    """A ``torchmetrics.Metric`` behind the Metric interface (torchmetrics syncs ranks in ``compute``)."""
+
+    def __init__(self, epoch_only: bool, metric, device: Optional[torch.device] = None):
+        super().__init__(epoch_only, device)
+        self.metric = metric.to(self.device)
+
+    def reset(self) -> None:
+        super().reset()
+        self.metric.reset()
+
+    def update(self, logits, targets, batch_size: Optional[int] = None) -> None:
+        if isinstance(logits, (list, tuple)):
+            logits = logits[0]
+        self.metric.update(logits.detach(), targets)
+        self._cached = None
+
+    def _compute_accumulated(self) -> float:
+        return float(self.metric.compute())
+
+    @staticmethod
+    def is_better(a, b) -> bool:
+        return a > b
+
+
+def _is_torchmetrics_metric(obj) -> bool:
+    """True for a torchmetrics.Metric instance, found without importing torchmetrics."""
+    return any(cls.__module__.split(".")[0] == "torchmetrics" and cls.__name__ == "Metric"
+               for cls in type(obj).__mro__)
+
+
+class LearningRateMetric(Metric):
+    """The learning rate of the first parameter group (a float; the same on every rank, no reduction)."""
+
+    def __init__(self, epoch_only: bool, initial_lr: float = 0.0, device: Optional[torch.device] = None):
+        super().__init__(epoch_only, device)
+        self.lr = float(initial_lr)
+
+    def reset(self) -> None:
+        self._cached = None  # the LR is a running value: kept across epochs
+
+    def update(self, lr: float) -> None:
+        self.lr = float(lr)
+        self._cached = None
+
+    def last_step_value(self):
+        return self.lr
+
+    def _compute_accumulated(self) -> float:
+        return self.lr
+
+    @staticmethod
+    def is_better(a, b) -> bool:
+        return False
+
+
+class ThroughputMetric(Metric):
+    """Samples per second (all ranks together); the first ``ignored_steps`` updates of an epoch are left out.
+
+    ``update(num_samples, time)``: samples of this rank and the seconds they took. The epoch value sums
+    samples over ranks and divides by the ranks' mean time; with ``use_local`` it takes this rank's
+    samples times the number of ranks (no collective). ``tflop_per_step``: TFLOP of one update on one rank.
+    """
+
+    def __init__(self, epoch_only: bool, ignored_steps: int = 0, tflop_per_step: float = 0, use_local: bool = False,
+                 device: Optional[torch.device] = None):
+        super().__init__(epoch_only, device)
+        self.ignored_steps = int(ignored_steps)
+        self.tflop_per_step = float(tflop_per_step)
+        self.use_local = bool(use_local)
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self._updates = 0
+        self._samples = 0
+        self._time = 0.0
+        self._counted = 0
+        self._last: Optional[float] = None
+        self._reduced_time = 0.0
+
+    def update(self, num_samples: int, time: float) -> None:
+        self._updates += 1
+        if time > 0:
+            self._last = num_samples * data_parallel_size() / time
+        if self._updates > self.ignored_steps:
+            self._samples += num_samples
+            self._time += time
+            self._counted += 1
+        self._cached = None
+
+    def add_time(self, seconds: float) -> None:
+        """Add seconds that belong to the counted updates (e.g. device work finished at the epoch's end)."""
+        if self._counted:
+            self._time += seconds
+            self._cached = None
+
+    def last_step_value(self):
+        return self._last
+
+    def _compute_accumulated(self) -> float:
+        world = data_parallel_size()
+        if self.use_local:
+            samples, mean_time = self._samples * world, self._time
+        else:
+            buf = torch.tensor([float(self._samples), self._time], dtype=torch.float64, device=self.device)
+            if buf.device.type == "mps":  # no float64 there
+                buf = buf.float()
+            samples, time_sum = all_reduce_sum_(buf).tolist()
+            mean_time = time_sum / world
+        self._reduced_time = mean_time
+        return samples / mean_time if mean_time > 0 else float("nan")
+
+    def get_last_step_info(self) -> str:
+        value = self._last if self._last is not None else 0.0
+        return f"{format_number(value)} sample_per_sec"
+
+    def get_accumulated_info(self) -> str:
+        """``'N sample_per_sec'`` plus ``', T Tflops'`` (per rank) when ``tflop_per_step`` is set; all ranks."""
+        value = self.get_accumulated_value()
+        info = f"{format_number(value)} sample_per_sec"
+        if self.tflop_per_step > 0 and self._reduced_time > 0:
+            info += f", {format_number(self.tflop_per_step * self._counted / self._reduced_time)} Tflops"
+        return info
+
+    @staticmethod
+    def is_better(a, b) -> bool:
+        return a > b
+
+
+class MetricHook(BaseHook):
+    """Base of hooks that put metrics into ``trainer.states['metrics'][phase][name]``."""
+
+    def __init__(self, priority: int):
+        super().__init__(priority)
+        self._is_stage_to_compute = True  # no pipeline stages in colossal_lite
+
+    def _check_metric_states_initialization(self, trainer) -> None:
+        metrics = trainer.states.setdefault("metrics", {})
+        metrics.setdefault("train", {})
+        metrics.setdefault("test", {})
+
+
+def _num_samples(trainer) -> int:
+    return trainer.engine.schedule.batch_size or 1
+
+
+class LossHook(MetricHook):
+    """Train and test ``'Loss'``: the mean loss per sample of the epoch."""
+
+    def __init__(self, priority: int = 0):
+        super().__init__(priority)
+
+    def after_hook_is_attached(self, trainer):
+        self._check_metric_states_initialization(trainer)
+        device = device_of(trainer)
+        self.train_loss = LossMetric(epoch_only=False, device=device)
+        self.test_loss = LossMetric(epoch_only=True, device=device)
+        trainer.states["metrics"]["train"]["Loss"] = self.train_loss
+        trainer.states["metrics"]["test"]["Loss"] = self.test_loss
+
+    def before_train_epoch(self, trainer):
+        self.train_loss.reset()
+
+    def after_train_iter(self, trainer, output, label, loss):
+        if loss is not None:
+            self.train_loss.update(loss, _num_samples(trainer))
+
+    def before_test_epoch(self, trainer):
+        self.test_loss.reset()
+
+    def after_test_iter(self, trainer, output, label, loss):
+        if loss is not None:
+            self.test_loss.update(loss, _num_samples(trainer))
+
+
+class AccuracyHook(MetricHook):
+    """Test ``'Accuracy'`` (and train ``'Accuracy'`` with ``track_train=True``).
+
+    ``accuracy_func(logits, targets)`` returns the number of correct predictions (e.g.
+    ``colossal_lite.nn.metric.Accuracy()``); a ``torchmetrics`` metric is also accepted.
+    """
+
+    def __init__(self, accuracy_func: Callable, priority: int = 0, track_train: bool = False):
+        super().__init__(priority)
+        if not callable(accuracy_func):
+            raise TypeError(f"AccuracyHook(accuracy_func=...) must be callable (logits, targets) -> number correct, "
+                            f"e.g. colossal_lite.nn.metric.Accuracy(); got {accuracy_func!r}")
+        self.accuracy_func = accuracy_func
+        self.track_train = bool(track_train)
+
+    def _make(self, epoch_only: bool, device) -> Metric:
+        if _is_torchmetrics_metric(self.accuracy_func):
+            import copy
+
+            return TorchmetricsMetric(epoch_only, copy.deepcopy(self.accuracy_func), device=device)
+        return AccuracyMetric(epoch_only=epoch_only, accuracy_func=self.accuracy_func, device=device)
+
+    def after_hook_is_attached(self, trainer):
+        self._check_metric_states_initialization(trainer)
+        device = device_of(trainer)
+        self.metric = self._make(True, device)
+        trainer.states["metrics"]["test"]["Accuracy"] = self.metric
+        self.train_metric = None
+        if self.track_train:
+            self.train_metric = self._make(False, device)
+            trainer.states["metrics"]["train"]["Accuracy"] = self.train_metric
+
+    @staticmethod
+    def _check(output, label):
+        if output is None or label is None:
+            raise RuntimeError("AccuracyHook needs the model outputs and labels, but they were not passed to the hooks: "
+                               "call fit/evaluate with return_output_label=True")
+
+    def before_test(self, trainer):
+        self.metric.reset()
+
+    def after_test_iter(self, trainer, logits, targets, *args):
+        self._check(logits, targets)
+        self.metric.update(logits, targets, _num_samples(trainer))
+
+    def before_train_epoch(self, trainer):
+        if self.train_metric is not None:
+            self.train_metric.reset()
+
+    def after_train_iter(self, trainer, logits, targets, *args):
+        if self.train_metric is not None:
+            self._check(logits, targets)
+            self.train_metric.update(logits, targets, _num_samples(trainer))
+
+
+class LRSchedulerHook(MetricHook):
+    """Steps ``lr_scheduler`` after every optimizer update (or every epoch with ``by_epoch=True``).
+
+    With ``store_lr_in_state`` the learning rate is kept as train metric ``'LR'`` and in ``trainer.state.lr``.
+    A step skipped by fp16 (overflow) does not move the schedule.
+    """
+
+    def __init__(self, lr_scheduler, by_epoch: bool, store_lr_in_state: bool = True, priority: int = 1):
+        super().__init__(priority)
+        if not callable(getattr(lr_scheduler, "step", None)):
+            raise TypeError(f"LRSchedulerHook needs an LR scheduler with .step(), got {type(lr_scheduler).__name__}")
+        self.lr_scheduler = lr_scheduler
+        self.by_epoch = bool(by_epoch)
+        self.store_lr_in_state = bool(store_lr_in_state)
+        self.metric: Optional[LearningRateMetric] = None
+
+    def _current_lr(self) -> float:
+        if hasattr(self.lr_scheduler, "get_last_lr"):
+            return float(self.lr_scheduler.get_last_lr()[0])
+        return float(self.lr_scheduler.optimizer.param_groups[0]["lr"])
+
+    def after_hook_is_attached(self, trainer):
+        self._check_metric_states_initialization(trainer)
+        self.metric = None
+        if self.store_lr_in_state:
+            lr = self._current_lr()
+            self.metric = LearningRateMetric(epoch_only=self.by_epoch, initial_lr=lr, device=device_of(trainer))
+            trainer.states["metrics"]["train"]["LR"] = self.metric
+            trainer.state.lr = lr
+
+    def _record(self, trainer):
+        if self.metric is not None:
+            lr = self._current_lr()
+            self.metric.update(lr)
+            trainer.state.lr = lr
+
+    def after_train_iter(self, trainer, output, label, loss):
+        if not self.by_epoch and trainer.state.updated:
+            self.lr_scheduler.step()
+            self._record(trainer)
+
+    def after_train_epoch(self, trainer):
+        if self.by_epoch:
+            self.lr_scheduler.step()
+            self._record(trainer)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ThroughputHook(MetricHook):
+    """Train and test ``'Throughput'`` in samples per second, timed by the hook itself (no timer needed).
+
+    ``ignored_steps``: training iterations left out at the start of each epoch (warm-up); evaluation counts all.
+
+    Each iteration is timed on the host clock from the end of the previous one, so the figure includes
+    data loading; at the epoch's end the device is waited for once, so queued work is counted.
+    """
+
+    def __init__(self, ignored_steps: int = 0, priority: int = 10, tflop_per_step: float = 0, use_local: bool = False):
+        super().__init__(priority)
+        if int(ignored_steps) < 0:
+            raise ValueError(f"ThroughputHook(ignored_steps=...) must be >= 0, got {ignored_steps!r}")
+        self._options = dict(ignored_steps=int(ignored_steps), tflop_per_step=tflop_per_step, use_local=use_local)
+        self._last = 0.0
+
+    def after_hook_is_attached(self, trainer):
+        self._check_metric_states_initialization(trainer)
+        device = device_of(trainer)
+        self.train_metric = ThroughputMetric(epoch_only=True, device=device, **self._options)
+        self.test_metric = ThroughputMetric(epoch_only=True, device=device, **dict(self._options, ignored_steps=0))
+        trainer.states["metrics"]["train"]["Throughput"] = self.train_metric
+        trainer.states["metrics"]["test"]["Throughput"] = self.test_metric
+
+    def _tick(self, metric: ThroughputMetric, trainer) -> None:
+        now = time.perf_counter()
+        metric.update(_num_samples(trainer), now - self._last)
+        self._last = now
+
+    def _close(self, metric: ThroughputMetric, trainer) -> None:
+        _synchronize(device_of(trainer))
+        metric.add_time(time.perf_counter() - self._last)
+
+    def before_train_epoch(self, trainer):
+        self.train_metric.reset()
+        self._last = time.perf_counter()
+
+    def after_train_iter(self, trainer, *args):
+        self._tick(self.train_metric, trainer)
+
+    def after_train_epoch(self, trainer):
+        self._close(self.train_metric, trainer)
+
+    def before_test_epoch(self, trainer):
+        self.test_metric.reset()
+        self._last = time.perf_counter()
+
+    def after_test_iter(self, trainer, *args):
+        self._tick(self.test_metric, trainer)
+
+    def after_test_epoch(self, trainer):
+        self._close(self.test_metric, trainer)
+
+
+class _StepMetricsView(Mapping):
+    """``states['step_metrics']`` as a live view: the current phase's metrics' last-step values, read on access."""
+
+    def __init__(self, trainer):
+        self._trainer = trainer
+
+    def _items(self):
+        phase = "test" if self._trainer.state.phase == "test" else "train"
+        for name, metric in self._trainer.states["metrics"][phase].items():
+            value = metric.last_step_value()
+            if value is not None:
+                yield name.lower(), value
+
+    def __getitem__(self, key):
+        for name, value in self._items():
+            if name == key:
+                return value
+        raise KeyError(key)
+
+    def __iter__(self):
+        return (name for name, _ in self._items())
+
+    def __len__(self):
+        return sum(1 for _ in self._items())
+
+    def __repr__(self):
+        return f"StepMetrics({dict(self._items())!r})"
+
+
+class LogMetricByStepHook(MetricHook):
+    """Makes ``trainer.states['step_metrics']`` show each metric's last-step value (lower-case names).
+
+    It is a live view of the current phase's metrics, so it costs nothing per step, does not depend on
+    hook order, and its values stay device tensors until the progress display reads them.
+    """
+
+    def __init__(self, priority: int = 10):
+        super().__init__(priority)
+
+    def after_hook_is_attached(self, trainer):
+        self._check_metric_states_initialization(trainer)
+        trainer.states["step_metrics"] = _StepMetricsView(trainer)

@@ -1,0 +1,116 @@
+"""``State``: the one object hooks read and change during a run.
+
+Progress (epoch, step, iteration, batch index) survives between ``fit`` calls and goes into
+checkpoints through ``state_dict()``; the per-iteration fields (batch, outputs, loss ...) are
+overwritten every iteration; ``states`` is the legacy dict of metrics, reset at each ``fit``.
+``docs/trainer.md`` says which event may change which field.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+__all__ = ["State"]
+
+
+class State:
+    """Progress, the current iteration and the metrics of a run.
+
+    Progress, all counted from the start of training (not of this ``fit`` call):
+
+    - ``epoch``: index of the current epoch (0-based); it grows by one after an epoch and its evaluation.
+    - ``step``: optimizer steps taken (accumulation windows completed), including the one of this iteration.
+    - ``iteration``: training micro-batches run.
+    - ``batch_idx``: micro-batches run in the current epoch.
+
+    Set by ``fit`` from its arguments: ``max_epochs``, ``max_steps`` (None = no step limit),
+    ``steps_per_epoch`` (optimizer steps per epoch), ``iters_per_epoch`` (micro-batches per epoch),
+    ``total_steps`` (optimizer steps the whole run will take), ``fitting`` (inside ``fit``; False in
+    ``evaluate`` alone), ``will_test`` (``fit`` got a test loader).
+
+    Current iteration: ``phase`` ('train', 'test' or None), ``batch`` (as loaded, on the device),
+    ``data`` and ``label`` (the model input and the target split from it), ``output``, ``loss``
+    (a device tensor, not divided by the accumulation size), ``grad_norm`` (device tensor or None),
+    ``stepped`` (this iteration ended an accumulation window, so the optimizer stepped) and ``updated``
+    (that step really changed the parameters; False when fp16 skipped it).
+
+    Control: ``stop_training`` (set it to end ``fit`` after the current iteration; set it from values
+    every rank agrees on, or ranks part ways) and ``stop_reason`` (a line for the log).
+    """
+
+    def __init__(self):
+        # progress (checkpointed)
+        self.epoch = 0
+        self.step = 0
+        self.iteration = 0
+        self.batch_idx = 0
+        # run shape, set by fit
+        self.max_epochs: Optional[int] = None
+        self.max_steps: Optional[int] = None
+        self.steps_per_epoch: Optional[int] = None
+        self.iters_per_epoch: Optional[int] = None
+        self.total_steps: Optional[int] = None
+        self.fitting = False  # inside fit (False in evaluate alone)
+        self.will_test = False  # fit got a test_dataloader
+        self.epoch_start_step = 0  # value of ``step`` when the current epoch began
+        self.last_eval_step: Optional[int] = None  # ``step`` at the last evaluation inside fit
+        # current iteration
+        self.phase: Optional[str] = None
+        self.batch: Any = None
+        self.data: Any = None
+        self.label: Any = None
+        self.output: Any = None
+        self.loss: Any = None
+        self.grad_norm: Any = None
+        self.stepped = False
+        self.updated = False
+        self.lr: Optional[float] = None  # written by LRSchedulerHook(store_lr_in_state=True)
+        # control
+        self.stop_training = False
+        self.stop_reason: Optional[str] = None
+        # the legacy ``trainer.states`` dict: 'metrics' -> {'train': {...}, 'test': {...}}, 'step_metrics' -> {...}
+        self.states: Dict[str, Any] = {}
+        self.reset_states()
+
+    # -- legacy metrics dict ---------------------------------------------------------------
+    def reset_states(self) -> None:
+        """Forget metrics and hook entries (done at the start of every ``fit`` and ``evaluate``)."""
+        self.states.clear()
+        self.states["metrics"] = {"train": {}, "test": {}}
+        self.states["step_metrics"] = {}
+
+    @property
+    def metrics(self) -> Dict[str, Dict[str, Any]]:
+        """``{'train': {name: Metric}, 'test': {name: Metric}}`` (the same dict as ``states['metrics']``)."""
+        return self.states["metrics"]
+
+    @property
+    def step_metrics(self) -> Dict[str, Any]:
+        """``{lower-case name: value}`` of the last iteration (device tensors or floats, read only when shown)."""
+        return self.states.setdefault("step_metrics", {})
+
+    # -- derived -----------------------------------------------------------------------------
+    @property
+    def max_steps_reached(self) -> bool:
+        return self.max_steps is not None and self.step >= self.max_steps
+
+    def clear_iteration(self) -> None:
+        """Drop references to the last batch, outputs and loss (so their memory can be freed)."""
+        self.batch = self.data = self.label = self.output = self.loss = None
+        self.grad_norm = None
+
+    # -- checkpoint ----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, int]:
+        """The progress counters: ``epoch``, ``step``, ``iteration``, ``batch_idx`` (micro-batches done in the epoch)."""
+        return {"epoch": self.epoch, "step": self.step, "iteration": self.iteration, "batch_idx": self.batch_idx}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        for key in ("epoch", "step", "iteration", "batch_idx"):
+            if key in state:
+                value = int(state[key])
+                if value < 0:
+                    raise ValueError(f"State.load_state_dict: {key} must be >= 0, got {value}")
+                setattr(self, key, value)
+
+    def __repr__(self) -> str:
+        return (f"State(epoch={self.epoch}, step={self.step}, iteration={self.iteration}, batch_idx={self.batch_idx}, "
+                f"phase={self.phase!r}, stop_training={self.stop_training})")

@@ -1,0 +1,275 @@
+"""Built-in hooks: metric values, LR in state, log lines, TensorBoard, timing, memory, throughput, early stopping, MixUp."""
+import copy
+import re
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from colossal_lite.engine.accumulation import AccumulationDataLoader, AccumulationWindow
+from colossal_lite.engine.engine import Engine
+from colossal_lite.functional import mixup_batch, mixup_loss
+from colossal_lite.nn.metric import Accuracy
+from colossal_lite.trainer import Trainer
+from colossal_lite.trainer.hooks import (
+    AccuracyHook,
+    BaseHook,
+    EarlyStoppingHook,
+    LogMemoryByEpochHook,
+    LogMetricByEpochHook,
+    LogMetricByStepHook,
+    LogTimingByEpochHook,
+    LossHook,
+    LossMetric,
+    LRSchedulerHook,
+    MixUp,
+    TensorboardHook,
+    ThroughputHook,
+)
+from colossal_lite.utils import MultiTimer
+
+
+def make_batches(n, batch_size=4, seed=0, sizes=None):
+    g = torch.Generator().manual_seed(seed)
+    sizes = sizes or [batch_size] * n
+    return [(torch.randn(b, 6, generator=g), torch.randint(0, 3, (b,), generator=g)) for b in sizes]
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def make_engine(model, accumulation=1, lr=0.1):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    window = AccumulationWindow(accumulation)
+    return Engine(model, opt, nn.CrossEntropyLoss(), window=window), window
+
+
+class ListLogger:
+    """Collects what hooks log (they log through ``logger.info`` on rank 0)."""
+
+    def __init__(self):
+        self.lines = []
+
+    def info(self, msg):
+        self.lines.append(msg)
+
+    error = warning = info
+
+
+def test_loss_and_accuracy_are_per_sample_means_and_reading_twice_gives_the_same_value():
+    model = make_model()
+    engine, _ = make_engine(model)
+    test = make_batches(3, sizes=[4, 4, 2], seed=3)  # unequal batches: weighted by samples
+    trainer = Trainer(engine)
+    result = trainer.evaluate(test, hooks=[LossHook(), AccuracyHook(Accuracy())])
+    x = torch.cat([b[0] for b in test])
+    y = torch.cat([b[1] for b in test])
+    with torch.no_grad():
+        logits = model(x)
+    assert result["Loss"] == pytest.approx(nn.functional.cross_entropy(logits, y).item(), rel=1e-6)
+    assert result["Accuracy"] == pytest.approx((logits.argmax(-1) == y).float().mean().item())
+    metric = trainer.states["metrics"]["test"]["Loss"]
+    assert metric.get_accumulated_value() == metric.get_accumulated_value() == result["Loss"]
+
+
+def test_loss_metric_accumulates_on_the_device_and_caches_until_update():
+    metric = LossMetric(epoch_only=False)
+    metric.update(torch.tensor(2.0), 2)
+    metric.update(torch.tensor(5.0), 1)
+    assert isinstance(metric.last_step_value(), torch.Tensor)
+    assert metric.get_accumulated_value() == pytest.approx(3.0)
+    metric.update(torch.tensor(1.0), 1)
+    assert metric.get_accumulated_value() == pytest.approx(2.5)
+    metric.reset()
+    assert metric.get_accumulated_value() != metric.get_accumulated_value()  # NaN: nothing measured
+
+
+def test_train_accuracy_and_output_label_requirement():
+    engine, _ = make_engine(make_model())
+    trainer = Trainer(engine)
+    trainer.fit(make_batches(3), epochs=1, hooks=[AccuracyHook(Accuracy(), track_train=True)])
+    assert 0.0 <= trainer.states["metrics"]["train"]["Accuracy"].get_accumulated_value() <= 1.0
+    with pytest.raises(RuntimeError, match="call fit/evaluate with return_output_label=True"):
+        trainer.evaluate(make_batches(1), hooks=[AccuracyHook(Accuracy())], return_output_label=False)
+
+
+def test_accuracy_hook_accepts_torchmetrics():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    engine, _ = make_engine(make_model())
+    metric = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
+    result = Trainer(engine).evaluate(make_batches(2), hooks=[AccuracyHook(metric)])
+    assert 0.0 <= result["Accuracy"] <= 1.0
+
+
+def test_lr_scheduler_hook_steps_per_update_and_stores_lr():
+    model = make_model()
+    engine, window = make_engine(model, accumulation=2)
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)  # a raw torch scheduler
+    trainer = Trainer(engine)
+    trainer.fit(AccumulationDataLoader(make_batches(4), window), epochs=1,
+                hooks=[LRSchedulerHook(sched, by_epoch=False)])
+    assert engine.num_updates == 2 and sched.last_epoch == 2  # once per optimizer update, not per micro-batch
+    assert trainer.state.lr == pytest.approx(0.025)
+    assert trainer.states["metrics"]["train"]["LR"].get_accumulated_value() == pytest.approx(0.025)
+
+    sched2 = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    trainer.fit(AccumulationDataLoader(make_batches(4), window), epochs=2,
+                hooks=[LRSchedulerHook(sched2, by_epoch=True, store_lr_in_state=False)])
+    assert sched2.last_epoch == 1  # one more epoch ran: one step
+    assert "LR" not in trainer.states["metrics"]["train"]
+
+
+def test_log_metric_by_epoch_hook_lines_and_interval():
+    logger = ListLogger()
+    engine, _ = make_engine(make_model())
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=100)
+    hooks = [LossHook(), AccuracyHook(Accuracy()), LRSchedulerHook(sched, by_epoch=True),
+             LogMetricByEpochHook(logger, interval="2ep")]
+    Trainer(engine).fit(make_batches(2), epochs=4, test_dataloader=make_batches(1), test_interval=2, hooks=hooks)
+    train = [line for line in logger.lines if "/ Train]" in line]
+    test = [line for line in logger.lines if "/ Test]" in line]
+    assert [line.split(":")[0] for line in train] == ["[Epoch 1 / Train]", "[Epoch 3 / Train]"]
+    assert re.fullmatch(r"\[Epoch 1 / Train\]: Loss = [0-9.]+ \| LR = 0\.1", train[0])
+    assert re.fullmatch(r"\[Epoch 3 / Test\]: Loss = [0-9.]+ \| Accuracy = [0-9.]+", test[-1])
+    assert len(test) == 2
+
+
+def test_tensorboard_hook_writes_readable_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    engine, _ = make_engine(make_model())
+    hook = TensorboardHook(str(tmp_path))
+    # LogMetricByEpochHook also reads the test loss: the second read must not change it
+    logger = ListLogger()
+    Trainer(engine).fit(make_batches(3), epochs=2, test_dataloader=make_batches(2),
+                        hooks=[LossHook(), LogMetricByEpochHook(logger), hook])
+    hook.close()
+    acc = EventAccumulator(str(tmp_path / "global_rank_0"))
+    acc.Reload()
+    train = acc.Scalars("Loss/train")
+    test = acc.Scalars("Loss/test")
+    assert [e.step for e in train] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in test] == [3, 6]
+    logged = float(re.search(r"\[Epoch 1 / Test\]: Loss = ([0-9.]+)", " ".join(logger.lines)).group(1))
+    assert test[-1].value == pytest.approx(logged, rel=1e-4)
+
+
+def test_tensorboard_hook_without_tensorboard_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match=r"TensorboardHook needs the tensorboard package, which is not installed: "
+                                          r"pip install tensorboard"):
+        TensorboardHook("unused")
+
+
+def test_timing_and_throughput_hooks_work_without_a_timer_given_to_the_trainer():
+    logger = ListLogger()
+    engine, _ = make_engine(make_model())
+    trainer = Trainer(engine)  # no timer
+    hooks = [ThroughputHook(ignored_steps=1), LogTimingByEpochHook(None, logger, ignore_num_train_steps=1),
+             LogMetricByEpochHook(logger)]
+    trainer.fit(make_batches(4), epochs=1, test_dataloader=make_batches(2), hooks=hooks)
+    text = "\n".join(logger.lines)
+    assert re.search(r"\[Epoch 0 / Train\]: Train-epoch: last = [0-9.e-]+ s, mean = [0-9.e-]+ s \| "
+                     r"Train-step: last = [0-9.e-]+ s, mean = [0-9.e-]+ s \| #steps/epoch = 4", text), text
+    assert re.search(r"\[Epoch 0 / Test\]: Test-epoch: last = [0-9.e-]+ s.* \| Test-step: last = ", text), text
+    assert re.search(r"\[Epoch 0 / Train\]: Throughput = [0-9.e+]+ sample_per_sec", text), text
+    assert trainer.states["metrics"]["train"]["Throughput"].get_accumulated_value() > 0
+    assert trainer.timer is None  # the hook's timer was used for that run only
+
+    timer = MultiTimer()
+    Trainer(engine, timer=timer).fit(make_batches(2), epochs=1, hooks=[LogTimingByEpochHook(MultiTimer(), logger)])
+    assert "Train-step" in timer  # with a trainer timer, that one is used
+
+
+def test_memory_hook_reports_process_memory():
+    logger = ListLogger()
+    engine, _ = make_engine(make_model())
+    Trainer(engine).fit(make_batches(2), epochs=1, test_dataloader=make_batches(1),
+                        hooks=[LogMemoryByEpochHook(logger, report_cpu=True)])
+    assert [line.split(":")[0] for line in logger.lines] == ["Before-train", "[Epoch 0 / Train]", "[Epoch 0 / Test]"]
+    assert all("CPU: RSS" in line for line in logger.lines)
+
+
+def test_step_metrics_are_a_live_view_whatever_the_hook_order():
+    engine, _ = make_engine(make_model())
+    seen = {}
+
+    class Peek(BaseHook):
+        def after_train_iter(self, trainer, *args):
+            seen.update(trainer.states["step_metrics"])
+
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=100)
+    # LogMetricByStepHook listed before the hooks whose metrics it shows
+    Trainer(engine).fit(make_batches(2), epochs=1, hooks=[LogMetricByStepHook(), Peek(), LossHook(priority=10),
+                                                          LRSchedulerHook(sched, by_epoch=False, priority=10),
+                                                          ThroughputHook()])
+    assert set(seen) == {"loss", "lr", "throughput"}
+    assert isinstance(seen["loss"], torch.Tensor)  # not read from the device per step
+
+
+def test_early_stopping_stops_after_patience_checks_without_improvement():
+    logger = ListLogger()
+    engine, _ = make_engine(make_model())
+    trainer = Trainer(engine, logger=logger)
+    # training lowers the loss, so in 'max' mode every check after the first is "no improvement"
+    early = EarlyStoppingHook("Loss", mode="max", patience=2, logger=logger)
+    trainer.fit(make_batches(2), epochs=10, hooks=[LossHook(), early])
+    assert trainer.cur_epoch == 3 and trainer.cur_step == 6
+    assert trainer.state.stop_reason.startswith("EarlyStoppingHook: train/Loss did not improve by more than 0 for "
+                                                "2 checks (last ")
+    assert any(line.startswith("Training stopped at epoch 2, step 6: EarlyStoppingHook") for line in logger.lines)
+
+
+def test_early_stopping_argument_errors():
+    with pytest.raises(ValueError, match="use 'min' .* or 'max'"):
+        EarlyStoppingHook("Loss", mode="lowest")
+    engine, _ = make_engine(make_model())
+    trainer = Trainer(engine)
+    with pytest.raises(ValueError, match=r"no test metric 'Accuracy'. The hooks of this run give train metrics "
+                                         r"\['Loss'\] and test metrics \['Loss'\]; add the hook"):
+        trainer.fit(make_batches(2), epochs=1, test_dataloader=make_batches(1),
+                    hooks=[LossHook(), EarlyStoppingHook("test/Accuracy")])
+    assert not trainer.state.fitting and engine.event_sink is None  # the failed attach was cleaned up
+
+
+@pytest.mark.parametrize("interpolate_loss", [True, False])
+def test_mixup_hook_equals_the_functional_form(interpolate_loss):
+    batches = make_batches(3)
+    ref_model = make_model()
+    model = copy.deepcopy(ref_model)
+    losses = []
+
+    class Watch(BaseHook):
+        def after_train_iter(self, trainer, output, label, loss):
+            losses.append(loss.detach().clone())
+            assert label.dtype == torch.int64  # the hooks after the loss see the original labels
+
+    engine, _ = make_engine(model)
+    torch.manual_seed(123)
+    Trainer(engine).fit(batches, epochs=1, hooks=[MixUp(alpha=0.4, interpolate_loss=interpolate_loss), Watch()])
+
+    torch.manual_seed(123)
+    opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    expected = []
+    for x, y in batches:
+        opt.zero_grad()
+        mixed, y_perm, mixing = mixup_batch(x, y, alpha=0.4)
+        loss = mixup_loss(nn.functional.cross_entropy, ref_model(mixed), y, y_perm, mixing)
+        loss.backward()
+        opt.step()
+        expected.append(loss.detach())
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_mixup_leaves_evaluation_alone():
+    model = make_model()
+    engine, _ = make_engine(model)
+    test = make_batches(2)
+    plain = Trainer(engine).evaluate(test, hooks=[LossHook()])
+    mixed = Trainer(engine).evaluate(test, hooks=[LossHook(), MixUp(alpha=1.0)])
+    assert plain["Loss"] == mixed["Loss"]

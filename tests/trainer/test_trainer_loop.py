@@ -1,0 +1,396 @@
+"""Trainer.fit / evaluate / predict: loop order, events, equivalence with the engine loop, intervals, test mode."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from colossal_lite.engine.accumulation import AccumulationDataLoader, AccumulationWindow
+from colossal_lite.engine.engine import Engine
+from colossal_lite.trainer import Event, State, Trainer
+from colossal_lite.trainer.hooks import BaseHook, LossHook
+
+
+def make_batches(n, batch_size=4, features=6, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch_size, features, generator=g), torch.randint(0, classes, (batch_size,), generator=g))
+            for _ in range(n)]
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def make_engine(model, accumulation=1, lr=0.1, momentum=0.9):
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    window = AccumulationWindow(accumulation)
+    return Engine(model, opt, nn.CrossEntropyLoss(), window=window), window
+
+
+class Recorder(BaseHook):
+    """Records the name of every event it receives (it handles them all)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+
+def _recording(name):
+    def handler(self, trainer, *args):
+        self.calls.append(name)
+
+    return handler
+
+
+for _event in Event:
+    setattr(Recorder, _event.value, _recording(_event.value))
+
+
+def train_iter(zero_grad: bool, step: bool):
+    names = ["before_train_iter"]
+    if zero_grad:
+        names.append("before_zero_grad")
+    names += ["after_batch_loaded", "before_forward", "after_forward", "after_loss", "before_backward",
+              "after_backward"]
+    if step:
+        names += ["after_grad_norm", "before_optimizer_step", "after_optimizer_step"]
+    names.append("after_train_iter")
+    return names
+
+
+def test_event_order_with_accumulation_and_evaluation():
+    model = make_model()
+    engine, window = make_engine(model, accumulation=2)
+    train = AccumulationDataLoader(make_batches(3), window)  # windows [b0, b1] and a partial [b2]
+    test = make_batches(2, seed=1)
+    rec = Recorder()
+    Trainer(engine).fit(train, epochs=2, test_dataloader=test, hooks=[rec])
+
+    evaluation = (["before_test", "before_test_epoch"] + ["before_test_iter", "after_test_iter"] * 2
+                  + ["after_test_epoch", "after_test"])
+    epoch = (["before_train_epoch"] + train_iter(True, False) + train_iter(False, True) + train_iter(True, True)
+             + ["after_train_epoch"] + evaluation)
+    assert rec.calls == ["after_hook_is_attached", "before_train"] + epoch + epoch + ["after_train"]
+
+
+def test_step_and_iteration_counters_respect_accumulation():
+    model = make_model()
+    engine, window = make_engine(model, accumulation=2)
+    train = AccumulationDataLoader(make_batches(5), window)
+    seen = []
+
+    class Watch(BaseHook):
+        def after_train_iter(self, trainer, output, label, loss):
+            st = trainer.state
+            seen.append((st.batch_idx, st.step, st.stepped, st.updated))
+
+    trainer = Trainer(engine)
+    trainer.fit(train, epochs=2, hooks=[Watch()])
+    assert trainer.steps_per_epoch == 3  # ceil(5 / 2)
+    assert trainer.cur_step == 6 == engine.num_updates
+    assert trainer.cur_epoch == 2 and trainer.max_epochs == 2
+    assert trainer.state.iteration == 10
+    # (micro-batches done in the epoch, optimizer steps done, this iteration stepped, parameters changed)
+    assert seen[:5] == [(1, 0, False, False), (2, 1, True, True), (3, 1, False, False), (4, 2, True, True),
+                        (5, 3, True, True)]
+
+
+def engine_loop(model, batches, epochs, accumulation):
+    engine, window = make_engine(model, accumulation)
+    loader = AccumulationDataLoader(batches, window)
+    for _ in range(epochs):
+        it = iter(loader)
+        for _ in range(len(loader)):
+            engine.zero_grad()
+            engine.execute_schedule(it)
+            engine.step()
+    return engine
+
+
+def test_fit_equals_engine_loop_with_partial_window():
+    batches = make_batches(5)
+    ref_model = make_model()
+    model = copy.deepcopy(ref_model)
+    ref = engine_loop(ref_model, batches, epochs=3, accumulation=2)
+
+    engine, window = make_engine(model, accumulation=2)
+    Trainer(engine).fit(AccumulationDataLoader(batches, window), epochs=3, hooks=[LossHook()])
+    assert engine.num_updates == ref.num_updates == 9
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_hooks_sorted_by_priority_ties_keep_order_and_list_untouched():
+    order = []
+
+    class Tagged(BaseHook):
+        def __init__(self, tag, priority):
+            super().__init__(priority)
+            self.tag = tag
+
+        def before_train(self, trainer):
+            order.append(self.tag)
+
+    hooks = [Tagged("a5", 5), Tagged("b1", 1), Tagged("c5", 5), Tagged("d0", 0), Tagged("e1", 1)]
+    original = list(hooks)
+    engine, _ = make_engine(make_model())
+    trainer = Trainer(engine)
+    trainer.fit(make_batches(1), epochs=1, hooks=hooks)
+    assert order == ["d0", "b1", "e1", "a5", "c5"]
+    assert hooks == original  # the user's list is not sorted in place
+    assert [h.tag for h in trainer.hooks] == order
+
+
+def test_subclass_without_super_init_still_works():
+    class Forgetful(BaseHook):
+        def __init__(self, note):  # no super().__init__()
+            self.note = note
+            self.epochs = 0
+
+        def after_train_epoch(self, trainer):
+            self.epochs += 1
+
+    hook = Forgetful("x")
+    engine, _ = make_engine(make_model())
+    Trainer(engine).fit(make_batches(2), epochs=2, hooks=[hook, LossHook()])
+    assert hook.priority == 10 and hook.epochs == 2
+
+
+def test_bad_hooks_get_clear_errors():
+    engine, _ = make_engine(make_model())
+    trainer = Trainer(engine)
+    with pytest.raises(TypeError, match=r"hooks\[1\] is a str, not a hook: subclass colossal_lite.trainer.hooks.BaseHook"):
+        trainer.fit(make_batches(1), epochs=1, hooks=[LossHook(), "LossHook"])
+    with pytest.raises(TypeError, match="must be a number"):
+        LossHook(priority="high")
+
+
+def test_hooks_replacing_batch_and_loss_change_training_as_computed_by_hand():
+    batches = make_batches(3)
+    ref_model = make_model()
+    model = copy.deepcopy(ref_model)
+
+    class DoubleInputs(BaseHook):
+        def after_batch_loaded(self, trainer):
+            x, y = trainer.state.batch
+            trainer.state.batch = (x * 2, y)  # the trainer splits the new batch again
+
+    class TripleLoss(BaseHook):
+        def after_loss(self, trainer):
+            trainer.state.loss = trainer.state.loss * 3
+
+    seen_losses = []
+
+    class Watch(BaseHook):
+        def after_train_iter(self, trainer, output, label, loss):
+            seen_losses.append(loss.detach().clone())
+
+    engine, _ = make_engine(model)
+    Trainer(engine).fit(batches, epochs=1, hooks=[DoubleInputs(), TripleLoss(), Watch()])
+
+    opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    expected_losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = 3 * nn.functional.cross_entropy(ref_model(2 * x), y)
+        loss.backward()
+        opt.step()
+        expected_losses.append(loss.detach())
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(torch.stack(seen_losses), torch.stack(expected_losses))
+
+
+def test_grad_norm_event_receives_the_norm_and_engine_is_restored():
+    norms = []
+
+    class Norms(BaseHook):
+        def after_grad_norm(self, trainer, grad_norm):
+            norms.append(grad_norm.clone())
+
+    model = make_model()
+    engine, _ = make_engine(model)
+    assert engine.measure_grad_norm is False and engine.event_sink is None
+    Trainer(engine).fit(make_batches(2), epochs=1, hooks=[Norms()])
+    assert len(norms) == 2 and all(n > 0 for n in norms)
+    assert engine.measure_grad_norm is False and engine.event_sink is None  # put back after fit
+
+
+def recorder_steps(event_name):
+    class StepsAt(BaseHook):
+        def __init__(self):
+            self.at = []
+
+    def handler(self, trainer, *args):
+        self.at.append((trainer.cur_epoch, trainer.cur_step))
+
+    setattr(StepsAt, event_name, handler)
+    return StepsAt()
+
+
+def test_evaluation_schedule_epoch_interval_and_final_epoch():
+    engine, _ = make_engine(make_model())
+    hook = recorder_steps("before_test")
+    # interval 2 over 3 epochs of 2 steps: after epochs 2 and 3 (the last), never before training
+    Trainer(engine).fit(make_batches(2), epochs=3, test_dataloader=make_batches(1), test_interval=2, hooks=[hook])
+    assert hook.at == [(1, 4), (2, 6)]
+
+
+@pytest.mark.parametrize("interval, expected_steps", [("2ba", [2, 4, 6, 8]), ("0.5dur", [4, 8]), ("2ep", [8]),
+                                                      (1, [4, 8])])
+def test_time_string_test_intervals(interval, expected_steps):
+    engine, _ = make_engine(make_model())
+    hook = recorder_steps("before_test")
+    Trainer(engine).fit(make_batches(4), epochs=2, test_dataloader=make_batches(1), test_interval=interval,
+                        hooks=[hook])
+    assert [step for _, step in hook.at] == expected_steps
+
+
+def test_max_duration_in_steps_stops_mid_epoch_and_next_fit_continues():
+    engine, _ = make_engine(make_model())
+    trainer = Trainer(engine)
+    hook = recorder_steps("before_test")
+    trainer.fit(make_batches(4), max_duration="6ba", test_dataloader=make_batches(1), hooks=[hook])
+    assert (trainer.cur_step, trainer.max_steps, trainer.max_epochs) == (6, 6, 2)
+    assert (trainer.cur_epoch, trainer.state.batch_idx) == (1, 2)  # epoch 1 was cut short at its 2nd batch
+    assert hook.at == [(0, 4), (1, 6)]  # after epoch 0, and at the end of training
+    trainer.fit(make_batches(4), epochs=2)  # finishes epoch 1 only
+    assert (trainer.cur_step, trainer.cur_epoch, trainer.state.batch_idx) == (8, 2, 0)
+    assert engine.num_updates == 8
+
+
+def test_max_duration_epochs_and_length_errors():
+    engine, _ = make_engine(make_model())
+    trainer = Trainer(engine)
+    trainer.fit(make_batches(2), max_duration="2ep")
+    assert (trainer.cur_epoch, trainer.cur_step) == (2, 4)
+    with pytest.raises(ValueError, match="give max_duration or epochs/max_steps, not both"):
+        trainer.fit(make_batches(2), epochs=3, max_duration="3ep")
+    with pytest.raises(ValueError, match="'dur' is a fraction of the run, so it cannot set the run's length"):
+        trainer.fit(make_batches(2), max_duration="0.5dur")
+    with pytest.raises(ValueError, match="fit needs the run's length"):
+        trainer.fit(make_batches(2))
+    with pytest.raises(ValueError, match=r"fit\(test_interval='3xx'\): invalid time '3xx'"):
+        trainer.fit(make_batches(2), epochs=3, test_dataloader=make_batches(1), test_interval="3xx")
+    with pytest.raises(TypeError, match="needs a loader with a length"):
+        trainer.fit(iter(make_batches(2)), epochs=3)
+
+
+def test_cur_epoch_setter_resumes_at_that_epoch():
+    engine, _ = make_engine(make_model())
+    trainer = Trainer(engine)
+    trainer.cur_epoch = 2
+    hook = recorder_steps("before_train_epoch")
+    trainer.fit(make_batches(3), epochs=4, hooks=[hook])
+    assert hook.at == [(2, 6), (3, 9)]
+    assert trainer.cur_step == 12 and engine.num_updates == 6
+
+
+def test_stop_training_flag_and_state_dict_round_trip():
+    class StopAtThree(BaseHook):
+        def after_train_iter(self, trainer, *args):
+            if trainer.cur_step == 3:
+                trainer.state.stop_training = True
+                trainer.state.stop_reason = "enough"
+
+    logs = []
+
+    class ListLogger:
+        def info(self, msg):
+            logs.append(msg)
+
+    engine, _ = make_engine(make_model())
+    class Counter(BaseHook):
+        def __init__(self):
+            self.n = 0
+
+        def after_train_iter(self, trainer, *args):
+            self.n += 1
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, state):
+            self.n = state["n"]
+
+    trainer = Trainer(engine, logger=ListLogger())
+    trainer.fit(make_batches(4), epochs=5, hooks=[LossHook(), Counter(), StopAtThree()])
+    assert trainer.cur_step == 3 and engine.num_updates == 3
+    assert "Training stopped at epoch 0, step 3: enough" in logs
+    saved = trainer.state_dict()
+    assert saved == {"progress": {"epoch": 0, "step": 3, "iteration": 3, "batch_idx": 3}, "hooks": {"Counter.0": {"n": 3}}}
+
+    state = State()
+    state.load_state_dict(saved["progress"])
+    assert (state.epoch, state.step, state.batch_idx) == (0, 3, 3)
+    other = Trainer(engine)
+    other.load_state_dict(saved)
+    counter = Counter()
+    other.fit(make_batches(4), epochs=1, hooks=[LossHook(), counter])
+    assert other.cur_step == 4 and counter.n == 4  # resumed inside epoch 0: one batch left; the count went on
+
+
+def test_evaluate_and_predict():
+    model = make_model()
+    engine, _ = make_engine(model)
+    trainer = Trainer(engine)
+    test = make_batches(3, seed=2)
+    result = trainer.evaluate(test, hooks=[LossHook()])
+    x = torch.cat([b[0] for b in test])
+    y = torch.cat([b[1] for b in test])
+    with torch.no_grad():
+        expected = nn.functional.cross_entropy(model(x), y).item()
+    assert result["Loss"] == pytest.approx(expected, rel=1e-6)
+    assert engine.training  # evaluate puts the engine back in the mode it found
+    out = trainer.predict(x[:2])
+    assert out.shape == (2, 3) and not out.requires_grad and engine.training
+
+
+def test_test_mode_runs_one_step_and_one_eval_batch_then_gives_a_verdict():
+    rec = Recorder()
+    logs = []
+
+    class ListLogger:
+        def info(self, msg):
+            logs.append(msg)
+
+        def error(self, msg):
+            logs.append(msg)
+
+    model = make_model()
+    engine, window = make_engine(model, accumulation=2)
+    trainer = Trainer(engine, logger=ListLogger())
+    before = [p.detach().clone() for p in model.parameters()]
+    result = trainer.fit(AccumulationDataLoader(make_batches(6), window), epochs=10, test_dataloader=make_batches(4),
+                         hooks=[rec, LossHook()], test_mode=True)
+    assert result.ok and bool(result)
+    assert str(result).startswith("test mode: 2 train batches and 1 eval batch ran (train loss ")
+    assert str(result).endswith("optimizer step applied), loss finite: OK")
+    assert logs[-1] == str(result)
+    assert rec.calls.count("after_train_iter") == 2 and rec.calls.count("after_test_iter") == 1
+    assert rec.calls.count("after_optimizer_step") == 1
+    assert engine.num_updates == 1 and any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert (trainer.cur_epoch, trainer.cur_step, trainer.state.iteration) == (0, 0, 0)  # progress not advanced
+
+
+def test_test_mode_reports_a_non_finite_loss():
+    class NaNLoss(BaseHook):
+        def after_loss(self, trainer):
+            trainer.state.loss = trainer.state.loss * float("nan")
+
+    engine, _ = make_engine(make_model())
+    logs = []
+
+    class ListLogger:
+        def info(self, msg):
+            logs.append(msg)
+
+        def error(self, msg):
+            logs.append("ERROR " + msg)
+
+    result = Trainer(engine, logger=ListLogger()).fit(make_batches(3), epochs=1, hooks=[NaNLoss()], test_mode=True)
+    assert not result.ok
+    assert "1 train batch ran" in result.message and "no test_dataloader given" in result.message
+    assert result.message.endswith("loss finite: FAILED (a loss or a parameter is NaN or inf)")
+    assert logs[-1] == "ERROR " + result.message
