@@ -118,8 +118,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     engine = Engine(model=model, optimizer=optimizer, criterion=criterion, precision=precision, strategy=strategy,
                     window=window, clip_grad_norm=config.get("clip_grad_norm", 0.0),
                     schedule=NonPipelineSchedule(data_process_func), device=device,
-                    grad_reduction=config.get("grad_reduction", "mean"))
-    engine._compile_pending = bool(compile_cfg)
+                    grad_reduction=config.get("grad_reduction", "mean"), compiled=bool(compile_cfg))
     if auto:
         from .engine.auto_batch import AutoMicroBatcher
 

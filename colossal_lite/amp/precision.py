@@ -16,6 +16,8 @@ from torch import nn
 
 from .amp_type import AMP_TYPE
 
+NULL_CONTEXT = contextlib.nullcontext()  # reusable; no allocation per step
+
 
 def _device_type(model: nn.Module) -> str:
     for p in model.parameters():
@@ -39,7 +41,7 @@ class FP32Precision:
         return model, optimizer
 
     def autocast(self):
-        return contextlib.nullcontext()
+        return NULL_CONTEXT
 
     def backward(self, loss: torch.Tensor):
         loss.backward()

@@ -25,7 +25,10 @@ class _Criterion:
         self._engine = engine
 
     def __call__(self, *args, **kwargs):
-        fn = self._engine._criterion
+        engine = self._engine
+        fn = engine._criterion
+        if engine._plain and fn is not None:  # fp32, mean reduction: nothing to add
+            return fn(*args, **kwargs)
         if fn is None:
             raise RuntimeError("engine.criterion was called but initialize() got no criterion; "
                                "pass criterion=torch.nn.CrossEntropyLoss() (or your loss) to initialize")
@@ -48,7 +51,7 @@ class Engine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, criterion=None, precision=None,
                  strategy=None, window: Optional[AccumulationWindow] = None, clip_grad_norm: float = 0.0,
                  schedule: Optional[NonPipelineSchedule] = None, device: Optional[torch.device] = None,
-                 gradient_handlers=None, verbose: bool = True, grad_reduction: str = "mean"):
+                 gradient_handlers=None, verbose: bool = True, grad_reduction: str = "mean", compiled: bool = False):
         self._model = model
         self._optimizer = optimizer
         self._criterion = criterion
@@ -69,11 +72,17 @@ class Engine:
         self._world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self._micro_tokens: Optional[torch.Tensor] = None
         self.auto_batcher = None  # an AutoMicroBatcher with gradient_accumulation='auto'
-        self._compile_pending = False  # True until the first forward of a torch.compile'd model
+        self._compile_pending = compiled  # True until the first forward of a torch.compile'd model
         self.compile_time_s: Optional[float] = None
         self._criterion_call = _Criterion(self)
         self._params = self.precision.master_params(optimizer)
         optimizer.register_step_post_hook(self._count_update)
+        self._plain = self._is_plain()
+
+    def _is_plain(self) -> bool:
+        """No autocast, no token weighting, no pending compile: forward and criterion need no wrapping."""
+        return (type(self.precision) is FP32Precision and self.grad_reduction != "per-token-mean"
+                and not self._compile_pending)
 
     def _count_update(self, optimizer, args, kwargs):
         self.num_updates += 1
@@ -107,6 +116,8 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if self._plain:  # fp32 and already compiled (if at all): the model alone
+            return self._model(*args, **kwargs)
         if self._compile_pending:
             return self._first_compiled_call(*args, **kwargs)
         with self.precision.autocast():
@@ -121,6 +132,7 @@ class Engine:
         with self.precision.autocast():
             out = self._model(*args, **kwargs)
         self._compile_pending = False
+        self._plain = self._is_plain()
         self.compile_time_s = time.perf_counter() - start
         get_dist_logger().info(f"torch.compile: the first forward took {self.compile_time_s:.1f} s (compilation)",
                                ranks=[0])

@@ -7,12 +7,13 @@
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Iterable, List
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ..amp.precision import NULL_CONTEXT
 
 
 def broadcast_module(module: nn.Module, src: int = 0):
@@ -41,7 +42,7 @@ class SingleProcess:
         return model, optimizer
 
     def no_sync(self, model):
-        return contextlib.nullcontext()
+        return NULL_CONTEXT
 
     def reduce_gradients(self, model: nn.Module):
         pass
