@@ -93,9 +93,45 @@ def build_engine(w: Workload) -> Tuple[MicroStep, nn.Module]:
     return micro_step, engine.unwrapped_model
 
 
+class _TrainerSteps:
+    """``Trainer.fit`` over the requested micro-batches, as one contestant (it owns its loop)."""
+
+    def __init__(self, trainer, hooks, lr_scheduler):
+        self.trainer, self.hooks, self.lr_scheduler = trainer, hooks, lr_scheduler
+        self.epochs = 0
+
+    def run_many(self, batches: List[Batch], steps: int, start: int):
+        n = len(batches)
+        loader = [batches[i % n] for i in range(start, start + steps)]
+        self.epochs += 1
+        self.trainer.fit(loader, epochs=self.epochs, hooks=self.hooks, display_progress=True)
+
+    def __call__(self, batch: Batch):
+        self.run_many([batch], 1, 0)
+
+
+def build_trainer(w: Workload) -> Tuple[MicroStep, nn.Module]:
+    """Trainer.fit with LossHook, AccuracyHook, LRSchedulerHook, LogMetricByStepHook and progress display on."""
+    import colossal_lite
+    from colossal_lite.nn.metric import Accuracy
+    from colossal_lite.trainer import Trainer, hooks
+
+    colossal_lite.launch_from_torch(config=dict(gradient_accumulation=w.accumulation, clip_grad_norm=w.clip),
+                                    verbose=False)
+    model = w.model()
+    optimizer = w.optimizer(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # constant: same result as the others
+    engine, _, _, sched = colossal_lite.initialize(model, optimizer, nn.CrossEntropyLoss(), lr_scheduler=sched,
+                                                   verbose=False)
+    hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()),
+                 hooks.LRSchedulerHook(sched, by_epoch=False), hooks.LogMetricByStepHook()]
+    return _TrainerSteps(Trainer(engine), hook_list, sched), engine.unwrapped_model
+
+
 CONTESTANTS: Dict[str, Callable[[Workload], Tuple[MicroStep, nn.Module]]] = {
     "hand": build_hand,
     "engine": build_engine,
+    "trainer": build_trainer,
 }
 BASELINE = "hand"
 
@@ -105,8 +141,11 @@ def run_steps(micro_step: MicroStep, batches: List[Batch], steps: int, start: in
     """Seconds for ``steps`` micro-steps (a whole number of accumulation windows keeps contestants in phase)."""
     n = len(batches)
     t0 = time.perf_counter()
-    for i in range(start, start + steps):
-        micro_step(batches[i % n])
+    if hasattr(micro_step, "run_many"):
+        micro_step.run_many(batches, steps, start)
+    else:
+        for i in range(start, start + steps):
+            micro_step(batches[i % n])
     return time.perf_counter() - t0
 
 
