@@ -122,3 +122,51 @@ def test_token_count_does_not_outlive_an_abandoned_window_and_survives_a_resume(
     assert resumed.step() is True
     for p, q in zip(resumed.model.parameters(), full.model.parameters()):
         torch.testing.assert_close(p, q)
+
+
+RANK_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, {here!r})
+import colossal_lite
+from colossal_lite.core import global_context as gpc
+from test_grad_reduction import VOCAB, token_batches, token_loss
+colossal_lite.launch_from_torch(config=dict(gradient_accumulation=2, grad_reduction="per-token-mean"), verbose=False)
+rank = gpc.get_global_rank()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, VOCAB)
+engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5), token_loss, verbose=False)
+batches = token_batches()
+mine = [batches[0], batches[1]] if rank == 0 else [batches[2], batches[2]]  # very different token counts per rank
+engine.zero_grad()
+for x, y in mine:
+    engine.backward(engine.criterion(engine(x), y))
+engine.step()
+json.dump([p.tolist() for p in engine.unwrapped_model.parameters()], open({out!r} + str(rank), "w"))
+gpc.destroy()
+"""
+
+
+def test_per_token_mean_across_two_ranks(tmp_path):
+    """Two ranks with different real-token counts: the update is the mean over all tokens of both ranks."""
+    import json
+    from pathlib import Path
+
+    from dist_helpers import run_torchrun
+
+    script = tmp_path / "tokens_rank.py"
+    script.write_text(RANK_SCRIPT.format(here=str(Path(__file__).parent), out=str(tmp_path / "r")))
+    run_torchrun(script, nproc=2, timeout=180)
+    batches = token_batches()
+    ref = build()
+    everything = [batches[0], batches[1], batches[2], batches[2]]
+    logits = torch.cat([ref(x).reshape(-1, VOCAB) for x, _ in everything])
+    target = torch.cat([y.reshape(-1) for _, y in everything])
+    torch.nn.functional.cross_entropy(logits, target, ignore_index=PAD).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.5 * p.grad
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"r{rank}").read_text())
+        for p, q in zip(got, ref.parameters()):
+            torch.testing.assert_close(torch.tensor(p), q.detach())
