@@ -33,7 +33,9 @@ runs = dict(ddp={{}}, zero1=dict(zero=dict(stage=1)), zero2=dict(zero=dict(stage
             zero3=dict(zero=dict(stage=3, shard_modules=["Block"])),
             zero3_bf16=dict(zero=dict(stage=3), fp16=dict(mode=AMP_TYPE.BF16)),
             zero3_fp16=dict(zero=dict(stage=3), fp16=dict(mode=AMP_TYPE.TORCH, init_scale=1024.0)),
-            zero2_offload=dict(zero=dict(stage=2, offload_optimizer=True)))
+            zero2_offload=dict(zero=dict(stage=2, offload_optimizer=True)),
+            ddp_compile=dict(compile=dict(backend="aot_eager")),
+            zero3_compile=dict(zero=dict(stage=3), compile=dict(backend="aot_eager")))
 result = {{}}
 for name, extra in runs.items():
     gpc.load_config(dict(base, **extra))
@@ -66,7 +68,8 @@ def zero_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,tol", [("zero1", 1e-6), ("zero2", 1e-6), ("zero3", 1e-6), ("zero2_offload", 1e-6),
-                                      ("zero3_bf16", 3e-2), ("zero3_fp16", 1e-2)])
+                                      ("zero3_bf16", 3e-2), ("zero3_fp16", 1e-2), ("ddp_compile", 1e-5),
+                                      ("zero3_compile", 1e-5)])
 def test_zero_stage_matches_ddp(zero_results, name, tol):
     for res in zero_results:
         ref, got = res["ddp"], res[name]
