@@ -7,6 +7,7 @@ hook subscribed it computes exactly what ``zero_grad(); execute_schedule(); step
 from __future__ import annotations
 
 import math
+import signal
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
@@ -18,6 +19,7 @@ from ..engine.schedule import call_criterion, call_with, move_to_device
 from ..logging import DistributedLogger, get_dist_logger
 from ..utils.data import DataParallelSampler, batches_per_epoch, skip_batches
 from ..utils.timer import MultiTimer
+from .checkpointing import CheckpointSession, checkpoint_round_trip
 from .events import ENGINE_EVENTS, Event
 from .hooks._base_hook import BaseHook
 from .hooks._log_hook import log_rank_0
@@ -185,7 +187,12 @@ class Trainer:
     ``timer``: a ``MultiTimer`` timing ``Train-epoch``, ``Train-step``, ``Test-epoch``, ``Test-step``
     (None: no timing, unless a hook such as ``LogTimingByEpochHook`` brings one). ``logger``: when given,
     the hooks in use and the step-limit stop are logged (legacy ``verbose``).
+
+    ``preemption_signals``: the signals that make ``fit`` (with a ``SaveCheckpointHook``) finish the
+    current optimizer step, write a checkpoint and exit with status 75 (``TrainingPreempted``).
     """
+
+    preemption_signals = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, engine, timer: Optional[MultiTimer] = None, logger=None):
         self._engine = engine
@@ -199,6 +206,7 @@ class Trainer:
         self._step_from_epoch = False
         self._pending_hook_states: Optional[Dict[str, Any]] = None
         self._saved_engine_events = None
+        self._checkpoints: Optional[CheckpointSession] = None  # checkpoints of the running fit
 
     # -- legacy properties -----------------------------------------------------------------------
     @property
@@ -311,12 +319,16 @@ class Trainer:
     def fit(self, train_dataloader: Iterable, epochs: Optional[int] = None, max_steps: Optional[int] = None,
             test_dataloader: Optional[Iterable] = None, test_interval: Union[int, str, Time] = 1,
             hooks: Optional[List[BaseHook]] = None, display_progress: bool = False, return_output_label: bool = True,
-            max_duration: Union[int, str, Time, None] = None, test_mode: bool = False):
+            max_duration: Union[int, str, Time, None] = None, test_mode: bool = False, resume_from=None):
         """Train for ``epochs`` epochs in total (or ``max_steps`` optimizer steps, or ``max_duration``).
 
         Evaluates on ``test_dataloader`` every ``test_interval`` (int epochs, ``'2ep'``, ``'500ba'``,
         ``'0.25dur'``) and once more at the end of training if the last step was not evaluated.
         ``test_mode=True`` runs one optimizer step and one evaluation batch and returns a ``TestModeResult``.
+        ``resume_from``: None, ``'auto'`` (``last`` when it exists, else a fresh start), ``'last'``, ``'best'``
+        (in the ``SaveCheckpointHook``'s folder) or a checkpoint path: the run continues exactly from there.
+        With a ``SaveCheckpointHook``, SIGTERM/SIGINT finish the current optimizer step, write a checkpoint
+        and raise ``TrainingPreempted`` (a ``SystemExit`` with status 75).
         """
         iters = _epoch_length(train_dataloader)
         if iters is None:
@@ -344,20 +356,28 @@ class Trainer:
         display = bool(display_progress) and gpc.get_global_rank() == 0
         run = _Run(train_dataloader, test_dataloader, interval, display, return_output_label)
 
+        checkpoints = None
         try:
             self._attach(hooks, "training")
+            checkpoints = self._checkpoints = CheckpointSession(self, train_dataloader, saving=not test_mode)
+            checkpoints.resume(resume_from)
             if test_mode:
                 return self._test_mode(run)
+            checkpoints.watch_signals(self.preemption_signals)
             self._engine.train()
             self.fire(Event.BEFORE_TRAIN)
             for epoch in range(st.epoch, max_epochs):
                 if st.max_steps_reached:
                     break
                 self._train_epoch(run, epoch)
+                if checkpoints.preempted:
+                    break
                 self._evaluate_after_epoch(run)
                 if st.batch_idx >= iters:  # a finished epoch; a cut-short one is continued by the next fit
                     st.epoch += 1
                     st.batch_idx = 0
+                if checkpoints.at_epoch_boundary():  # a safe point: interval saves; preemption
+                    break
                 if st.max_steps_reached:
                     if self._verbose:
                         log_rank_0(self._logger, f"Max number of steps {max_steps} has been reached, "
@@ -367,8 +387,13 @@ class Trainer:
                     log_rank_0(self._logger, f"Training stopped at epoch {epoch}, step {st.step}: "
                                              f"{st.stop_reason or 'state.stop_training was set by a hook'}")
                     break
+            checkpoints.finish()
             self.fire(Event.AFTER_TRAIN)
+            checkpoints.raise_if_preempted()
         finally:
+            if checkpoints is not None:
+                checkpoints.close()
+            self._checkpoints = None
             self._detach()
         return None
 
@@ -385,6 +410,9 @@ class Trainer:
         st.epoch_start_step = st.step - skip // engine.window.size
         progress = make_progress(run.display, f"[Epoch {epoch} / Train]", st.iters_per_epoch - skip, self.states)
         step_eval = run.interval.unit is not TimeUnit.EPOCH and run.test_loader is not None
+        boundary = self._checkpoints.at_step_boundary if self._checkpoints is not None and \
+            self._checkpoints.active else None
+        preempted = False
         self.fire(Event.BEFORE_TRAIN_EPOCH)
         timer.start("Train-epoch")
         for _ in range(skip, st.iters_per_epoch):
@@ -395,12 +423,17 @@ class Trainer:
                     progress.pause()  # one live bar at a time
                     self._eval(run.test_loader, epoch, run.display, run.return_output_label)
                     progress.resume()
+                if boundary is not None and boundary():  # a safe point: interval saves; preemption
+                    preempted = True
+                    break
                 if st.max_steps_reached:
                     break
             if st.stop_training:
                 break
         timer.stop("Train-epoch", keep_in_history=True)
         progress.close()
+        if preempted:  # the checkpoint is written; the epoch did not end, so no epoch-end events
+            return
         self.fire(Event.AFTER_TRAIN_EPOCH)
         timer.reset("Train-epoch")
 
@@ -574,6 +607,7 @@ class Trainer:
             if st.loss is not None:
                 eval_loss = st.loss.detach().float()
         checkpoint_note = self._test_mode_checkpoint_round_trip(run)
+        checkpoint_ok = checkpoint_note is None or "FAILED" not in checkpoint_note
         self.fire(Event.AFTER_TRAIN)
 
         params = [p for p in engine.unwrapped_model.parameters()]
@@ -585,7 +619,8 @@ class Trainer:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             flag = flag.to(engine.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # the verdict every rank returns is the same
-        ok = bool(flag.item() > 0)
+        finite = bool(flag.item() > 0)
+        ok = finite and checkpoint_ok
         train_value = float(train_loss.item())
         eval_value = None if eval_loss is None else float(eval_loss.item())
         st.load_state_dict(saved_progress)
@@ -600,7 +635,8 @@ class Trainer:
             step += ", no test_dataloader given"
         if checkpoint_note:
             step += f", {checkpoint_note}"
-        verdict = "OK" if ok else "FAILED (a loss or a parameter is NaN or inf)"
+        verdict = "OK" if ok else ("FAILED (a loss or a parameter is NaN or inf)" if not finite
+                                   else "FAILED (the checkpoint round trip failed)")
         message = f"test mode: {ran} ({losses}; {step}), loss finite: {verdict}"
         logger = self._logger if self._logger is not None else get_dist_logger()
         if ok:
@@ -614,12 +650,12 @@ class Trainer:
                               checkpoint=checkpoint_note)
 
     def _test_mode_checkpoint_round_trip(self, run: "_Run") -> Optional[str]:
-        """Checkpoint issue: save the engine and trainer state to a temporary folder, load it back, compare.
+        """Save the engine and trainer state to a temporary folder, read it back, compare; the folder is removed.
 
-        Returns a few words for the verdict (e.g. ``'checkpoint round trip OK'``), or None while
-        checkpointing is not part of colossal_lite.
+        Returns a few words for the verdict: ``'checkpoint round trip OK (12.3 kB, 0.01 s)'`` or
+        ``'checkpoint round trip FAILED (...)'``. Nothing is loaded back into the run.
         """
-        return None
+        return checkpoint_round_trip(self, run.train_loader)
 
     # -- state ------------------------------------------------------------------------------------------
     def _hook_keys(self) -> List[str]:

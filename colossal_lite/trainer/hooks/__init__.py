@@ -1,5 +1,6 @@
 """Hooks for ``Trainer.fit`` / ``Trainer.evaluate`` (the legacy ``colossalai.trainer.hooks``)."""
 from ._base_hook import BaseHook
+from ._checkpoint_hook import LoadCheckpointHook, SaveCheckpointHook  # noqa: F401 - the lead adds them to __all__
 from ._early_stopping import EarlyStoppingHook
 from ._log_hook import LogByEpochHook, LogMemoryByEpochHook, LogMetricByEpochHook, LogTimingByEpochHook, TensorboardHook
 from ._metric_hook import (

@@ -1,0 +1,207 @@
+"""``SaveCheckpointHook`` and ``LoadCheckpointHook``: the legacy hooks on top of ``CheckpointManager``.
+
+``SaveCheckpointHook`` only decides *when* a checkpoint is due; ``fit`` writes it at the next safe
+point (after the step's or the epoch's evaluation), so a run resumed from it continues exactly.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Tuple, Union
+
+from ...checkpoint import CheckpointManager
+from ...checkpoint.io import CheckpointNotFoundError
+from ...checkpoint.manager import is_single_file, read_meta
+from ..time import Interval, Time, TimeUnit
+from ._base_hook import BaseHook
+from ._log_hook import log_rank_0
+from ._metric_hook import LRSchedulerHook
+
+__all__ = ["SaveCheckpointHook", "LoadCheckpointHook"]
+
+
+class SaveCheckpointHook(BaseHook):
+    """Saves the whole run (engine, schedulers, progress, data order, RNG, hooks) every ``interval``.
+
+    Args:
+        interval: an int (epochs; optimizer steps with ``save_by_iter=True``) or a time string:
+            ``'2ep'``, ``'500ba'`` (optimizer steps), ``'0.25dur'`` (a fraction of the run's steps).
+        checkpoint_dir: the folder of this run's checkpoints: one folder ``epoch{E}-step{S}`` per
+            checkpoint, plus ``last``/``best`` pointers (``docs/checkpoints.md``).
+        model: kept for the legacy signature; the engine's model is always saved (without the DDP
+            prefix). When given it must be the engine's model (wrapped or not).
+        save_by_iter: count an int ``interval`` in optimizer steps instead of epochs.
+        save_last: move the ``last`` pointer to each new checkpoint.
+        save_best: ``None`` or ``(metric, 'min' | 'max')``, e.g. ``('Loss', 'min')``: move ``best`` when the
+            metric improves. A bare name is the test metric when ``fit`` evaluates, else the train one;
+            ``'train/Loss'`` / ``'test/Accuracy'`` choose. It is compared only where it was measured: a
+            test metric right after an evaluation, a train metric at an epoch's end.
+        keep_last_n: keep only the ``n`` newest checkpoints (and whatever ``last``/``best`` name).
+
+    A final checkpoint is also written when ``fit`` ends (unless one was just written at that step).
+    ``save(trainer)`` writes one now (every rank must call it; at an optimizer step boundary, or
+    inside an accumulation window, whose gradients are then saved too).
+    """
+
+    def __init__(self, interval: Union[int, str, Time] = 1, checkpoint_dir: Optional[str] = None, model=None,
+                 save_by_iter: bool = False, priority: int = 10, save_last: bool = True,
+                 save_best: Optional[Tuple[str, str]] = None, keep_last_n: Optional[int] = None):
+        super().__init__(priority)
+        if checkpoint_dir is None:
+            raise ValueError("SaveCheckpointHook(checkpoint_dir=None): give the folder the checkpoints go to, "
+                             "e.g. SaveCheckpointHook(checkpoint_dir='runs/ck')")
+        default_unit = TimeUnit.BATCH if save_by_iter else TimeUnit.EPOCH
+        try:
+            self.interval = Interval(interval, default_unit=default_unit)
+        except ValueError as err:
+            raise ValueError(f"SaveCheckpointHook(interval={interval!r}): {err}") from None
+        if save_by_iter and self.interval.unit is TimeUnit.EPOCH:
+            raise ValueError(f"SaveCheckpointHook(interval={interval!r}, save_by_iter=True): save_by_iter counts "
+                             f"optimizer steps, but the interval is in epochs; use interval='500ba' or an int")
+        _check_options(save_best, keep_last_n)  # fails at construction, not at the first save
+        self._options = dict(save_last=save_last, save_best=save_best, keep_last_n=keep_last_n)
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.model = model
+        self.save_by_iter = bool(save_by_iter)
+        self.save_best = None if save_best is None else (save_best[0], save_best[1])
+        self.manager: Optional[CheckpointManager] = None
+        self.last_path: Optional[Path] = None  # the newest checkpoint this hook wrote (or resumed from)
+        self._last_position = None
+        self._due = False
+
+    def after_hook_is_attached(self, trainer):
+        if not trainer.state.fitting:
+            return
+        st = trainer.state
+        if st.steps_per_epoch and st.total_steps:
+            self.interval.bind(st.steps_per_epoch, st.total_steps)
+        if self.model is not None:
+            engine = trainer.engine
+            if not any(m is self.model for m in engine.model.modules()):
+                raise ValueError("SaveCheckpointHook(model=...) is not the engine's model. The engine's model is "
+                                 "always saved (without the DDP 'module.' prefix); leave model out")
+        if self.manager is None:  # built once: it cleans what interrupted writes left and reads the best value
+            self.manager = CheckpointManager(self.checkpoint_dir, **self._options)
+        self._due = False
+
+    def after_train_iter(self, trainer, output, label, loss):
+        if trainer.state.stepped and self.interval.unit is not TimeUnit.EPOCH \
+                and self.interval.is_step_boundary(trainer.state.step):
+            self._due = True
+
+    def after_train_epoch(self, trainer):
+        st = trainer.state
+        if self.interval.unit is TimeUnit.EPOCH and st.batch_idx >= st.iters_per_epoch \
+                and self.interval.is_epoch_boundary(st.epoch + 1):
+            self._due = True
+
+    def save(self, trainer) -> Path:
+        """Write a checkpoint of the run now (all ranks); returns its folder. Once per position."""
+        from ..checkpointing import checkpoint_metrics, position, save_trainer_checkpoint
+
+        here = position(trainer)
+        if here == self._last_position and self.last_path is not None:
+            return self.last_path
+        if self.manager is None:
+            self.manager = CheckpointManager(self.checkpoint_dir, **self._options)
+        metrics = checkpoint_metrics(trainer, None if self.save_best is None else self.save_best[0])
+        path = save_trainer_checkpoint(trainer, self.manager, metrics=metrics)
+        self._last_position, self.last_path = here, path
+        if trainer._logger is not None:
+            log_rank_0(trainer._logger, f"checkpoint saved: {path}")
+        return path
+
+    def __repr__(self) -> str:
+        return f"SaveCheckpointHook(interval={str(self.interval)!r}, checkpoint_dir={str(self.checkpoint_dir)!r})"
+
+
+def _check_options(save_best, keep_last_n) -> None:
+    if save_best is not None and not (isinstance(save_best, (tuple, list)) and len(save_best) == 2
+                                      and isinstance(save_best[0], str) and save_best[1] in ("min", "max")):
+        raise ValueError(f"SaveCheckpointHook(save_best={save_best!r}): use None or (metric, 'min' | 'max'), "
+                         f"e.g. ('Loss', 'min') or ('Accuracy', 'max')")
+    if keep_last_n is not None and (isinstance(keep_last_n, bool) or not isinstance(keep_last_n, int)
+                                    or keep_last_n < 1):
+        raise ValueError(f"SaveCheckpointHook(keep_last_n={keep_last_n!r}): use None (keep all) or an int >= 1")
+
+
+class LoadCheckpointHook(BaseHook):
+    """Loads a checkpoint before training (legacy ``LoadCheckpointHook``, loaded in ``before_train``).
+
+    Args:
+        checkpoint_dir: a folder of checkpoints (``SaveCheckpointHook``'s), one checkpoint folder, a
+            ``last``/``best`` pointer, or a single file written by ``colossal_lite.utils.save_checkpoint``.
+        epoch: -1 loads the latest checkpoint (``last``); ``k`` the newest one taken in epoch ``k``
+            (folder ``epoch{k}-step*``; an epoch's end checkpoint is named after that epoch).
+        finetune: load the model weights only; progress, optimizer, schedulers, data order start from 0.
+        strict: the model's keys must match the checkpoint's exactly (shape mismatches always fail).
+
+    A missing checkpoint raises ``FileNotFoundError`` (``CheckpointNotFoundError``) naming the folder.
+    """
+
+    def __init__(self, checkpoint_dir: Optional[str] = None, epoch: int = -1, finetune: bool = False,
+                 strict: bool = False, priority: int = 0):
+        super().__init__(priority)
+        if checkpoint_dir is None:
+            raise ValueError("LoadCheckpointHook(checkpoint_dir=None): give the checkpoint folder (or file) to load")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < -1:
+            raise ValueError(f"LoadCheckpointHook(epoch={epoch!r}): use -1 (the latest) or an epoch index >= 0")
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.epoch = epoch
+        self.finetune = bool(finetune)
+        self.strict = bool(strict)
+        self.loaded: Optional[Path] = None  # what was loaded
+
+    def _pick(self, manager: CheckpointManager):
+        if self.epoch == -1:
+            if manager.resolve("auto") is None:
+                raise CheckpointNotFoundError(f"LoadCheckpointHook: no checkpoint in {self.checkpoint_dir}")
+            return "auto"
+        found, epochs = None, set()
+        for path in manager.list_checkpoints():
+            e = read_meta(path).get("epoch")
+            epochs.add(e)
+            if e == self.epoch:
+                found = path
+        if found is None:
+            raise CheckpointNotFoundError(f"LoadCheckpointHook(epoch={self.epoch}): no checkpoint of epoch {self.epoch} "
+                                          f"in {self.checkpoint_dir}; it has epochs "
+                                          f"{sorted(e for e in epochs if isinstance(e, int))}")
+        return found
+
+    def before_train(self, trainer):
+        from ..checkpointing import load_trainer_checkpoint
+
+        path = self.checkpoint_dir
+        session = getattr(trainer, "_checkpoints", None)
+        if is_single_file(path):
+            self.loaded = self._load_file(trainer, path)
+        else:
+            if not path.exists():
+                raise CheckpointNotFoundError(f"LoadCheckpointHook: {path} does not exist")
+            if (path / "meta.json").is_file() or path.is_file():  # one checkpoint folder, or a pointer file
+                manager, which = CheckpointManager(path.parent, cleanup=False), path
+            else:
+                manager = CheckpointManager(path, cleanup=False)
+                which = self._pick(manager)
+            self.loaded = load_trainer_checkpoint(trainer, manager, which, finetune=self.finetune, strict=self.strict)
+        if session is not None and not self.finetune:
+            session.restored(self.loaded)
+        st = trainer.state
+        log_rank_0(trainer._logger, f"LoadCheckpointHook: loaded {self.loaded}"
+                                    + (" (weights only: finetune)" if self.finetune else "")
+                                    + f"; training starts at epoch {st.epoch}, step {st.step}")
+
+    def _load_file(self, trainer, path: Path) -> Path:
+        """A ``save_checkpoint`` file: model (+ optimizer and the first LRSchedulerHook's scheduler unless finetune)."""
+        from ...utils.checkpointing import load_checkpoint
+
+        engine, st = trainer.engine, trainer.state
+        scheduler = next((h.lr_scheduler for h in trainer.hooks if isinstance(h, LRSchedulerHook)), None)
+        epoch = load_checkpoint(path, engine.model, None if self.finetune else engine.optimizer,
+                                None if self.finetune else scheduler, strict=self.strict)
+        start = 0 if self.finetune or epoch < 0 else epoch + 1  # the file holds the epoch it finished
+        spe = st.steps_per_epoch or 0
+        st.load_state_dict({"epoch": start, "step": start * spe, "iteration": start * (st.iters_per_epoch or 0),
+                            "batch_idx": 0})
+        trainer._step_from_epoch = False
+        return path

@@ -1,0 +1,274 @@
+"""SIGTERM / SIGINT: finish the optimizer step, write a checkpoint, exit with status 75; the run resumes exactly.
+
+Real signals: a training process gets SIGTERM from this test; in-process runs send SIGINT to themselves;
+on 2 ranks (torchrun) only rank 1 is signalled, both ranks stop after the same step, and torchrun's
+``--max-restarts`` restarts them with ``resume_from='auto'`` to the uninterrupted run's parameters.
+"""
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helpers import REPO, _env, free_port
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import colossal_lite
+from colossal_lite.checkpoint import read_checkpoint
+from colossal_lite.core import global_context as gpc
+from colossal_lite.trainer import Trainer
+from colossal_lite.trainer.checkpointing import PREEMPTED_EXIT_CODE, TrainingPreempted
+from colossal_lite.trainer.hooks import BaseHook, LossHook, LRSchedulerHook, SaveCheckpointHook
+from colossal_lite.utils import get_dataloader
+
+COMMON = textwrap.dedent("""
+    import json, os, signal, sys, time
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    import colossal_lite
+    from colossal_lite.core import global_context as gpc
+    from colossal_lite.trainer import Trainer
+    from colossal_lite.trainer.checkpointing import CheckpointSession, TrainingPreempted
+    from colossal_lite.trainer.hooks import BaseHook, LossHook, LRSchedulerHook, SaveCheckpointHook
+    from colossal_lite.utils import get_dataloader
+
+    def build(n, batch):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.8)
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+        engine, loader, _, sched = colossal_lite.initialize(model, opt, nn.CrossEntropyLoss(),
+                                                            get_dataloader(data, shuffle=True, batch_size=batch),
+                                                            lr_scheduler=sched, verbose=False)
+        return model, engine, loader, sched
+
+    def weights(model):
+        return {k: v.tolist() for k, v in model.state_dict().items()}
+""")
+
+SINGLE = COMMON + textwrap.dedent("""
+    ck, out = sys.argv[1], sys.argv[2]
+    colossal_lite.launch_from_torch(config=dict(gradient_accumulation=2), seed=5, verbose=False)
+
+    class Steps(BaseHook):
+        def after_train_iter(self, trainer, *args):
+            if trainer.state.stepped:
+                print(f"step {trainer.cur_step}", flush=True)
+                time.sleep(0.02)  # slow enough that the signal lands within a step or two
+
+    def train(folder, resume):
+        model, engine, loader, sched = build(80, 4)  # 20 batches, 10 steps per epoch
+        hooks = [LossHook(), LRSchedulerHook(sched, by_epoch=False), Steps(), SaveCheckpointHook(1, folder)]
+        Trainer(engine).fit(loader, epochs=3, hooks=hooks, resume_from=resume)
+        return weights(model)
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        final = train(ck, "auto")
+    except TrainingPreempted as e:
+        print(f"preempted: {e}; handler put back: {signal.getsignal(signal.SIGTERM) is before}", flush=True)
+        raise
+    print(f"finished; handler put back: {signal.getsignal(signal.SIGTERM) is before}", flush=True)
+    reference = train(ck + "-reference", None)
+    json.dump(dict(final=final, reference=reference), open(out, "w"))
+""")
+
+
+def _launch(script, ck, out):
+    return subprocess.Popen([sys.executable, str(script), str(ck), str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+
+
+def test_sigterm_writes_a_checkpoint_exits_75_and_the_rerun_resumes_exactly(tmp_path):
+    script, ck, out = tmp_path / "train.py", tmp_path / "ck", tmp_path / "out.json"
+    script.write_text(SINGLE)
+    proc = _launch(script, ck, out)
+    try:
+        lines = []
+        for line in proc.stdout:  # the 6th optimizer step (mid-epoch 0) is done: preempt
+            lines.append(line)
+            if line.strip() == "step 6":
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out1 = "".join(lines) + rest + err
+    assert proc.returncode == PREEMPTED_EXIT_CODE == 75, f"exit {proc.returncode}\n{out1}\n{err}"
+    assert "SIGTERM received: finishing the current optimizer step, then writing a checkpoint" in err
+    assert "handler put back: True" in out1
+    stopped = [ln for ln in out1.splitlines() if "SIGTERM: stopped at epoch 0, step" in ln]
+    assert stopped and "exiting with status 75. Run again with fit(..., resume_from='auto') to continue" in stopped[0]
+    step = int(stopped[0].split("step ")[1].split(" ")[0])
+    assert 6 <= step < 10  # the step in flight was finished; the epoch was not
+    last = ck / (ck / "last").read_text().strip()
+    assert last.name == f"epoch0-step{step}" and f"checkpoint {last};" in stopped[0]
+    shared, _ = read_checkpoint(last)
+    assert shared["trainer"]["progress"]["step"] == step and shared["engine"]["accumulation"]["micro_step"] == 0
+
+    proc = _launch(script, ck, out)
+    rest, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{rest}\n{err}"
+    assert f"resumed from {last}: epoch 0, step {step}, batch {2 * step} of the epoch" in rest + err
+    assert "finished; handler put back: True" in rest
+    result = json.loads(out.read_text())
+    for name, ref in result["reference"].items():
+        assert torch.equal(torch.tensor(result["final"][name]), torch.tensor(ref)), name
+
+
+# -- in process: SIGINT ------------------------------------------------------------------------
+def _build():
+    gpc.destroy()
+    colossal_lite.launch_from_torch(config=dict(gradient_accumulation=2), seed=5, verbose=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.8)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g))
+    engine, loader, _, sched = colossal_lite.initialize(model, opt, nn.CrossEntropyLoss(),
+                                                        get_dataloader(data, shuffle=True, batch_size=4),
+                                                        lr_scheduler=sched, verbose=False)
+    return model, engine, loader, sched
+
+
+class SendSignal(BaseHook):
+    """Sends ``signum`` to this process ``times`` times at micro-batch ``at`` (inside an accumulation window)."""
+
+    def __init__(self, signum, at, times=1):
+        super().__init__()
+        self.signum, self.at, self.times = signum, at, times
+
+    def after_backward(self, trainer):
+        if trainer.state.iteration + 1 == self.at:
+            for _ in range(self.times):
+                signal.raise_signal(self.signum)
+
+
+def _fit(ck, resume=None, extra=()):
+    model, engine, loader, sched = _build()
+    trainer = Trainer(engine)
+    trainer.fit(loader, epochs=2, resume_from=resume,
+                hooks=[LossHook(), LRSchedulerHook(sched, by_epoch=False), SaveCheckpointHook("3ba", ck), *extra])
+    return [p.detach().clone() for p in model.parameters()], trainer
+
+
+@pytest.fixture
+def clean():
+    yield
+    gpc.destroy()
+
+
+def test_sigint_inside_a_window_finishes_the_window_saves_and_resumes_exactly(tmp_path, clean):
+    want, _ = _fit(tmp_path / "reference")
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(TrainingPreempted) as info:
+        _fit(tmp_path / "ck", extra=[SendSignal(signal.SIGINT, at=13)])  # micro-batch 13: window 7, first half
+    assert info.value.code == 75 and info.value.signal == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is before
+    assert info.value.checkpoint == tmp_path / "ck" / "epoch1-step7"  # the window was finished: step 7, epoch 1
+    assert str(info.value) == f"training preempted by SIGINT; checkpoint {info.value.checkpoint}; exit status 75"
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert names == ["epoch0-step3", "epoch1-step6", "epoch1-step7", "last"]  # every 3 steps, then the stop
+    got, trainer = _fit(tmp_path / "ck", resume="auto")
+    assert trainer.cur_step == 10
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_a_second_ctrl_c_stops_at_once_and_the_handlers_are_put_back(tmp_path, clean):
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        _fit(tmp_path / "ck", extra=[SendSignal(signal.SIGINT, at=3, times=2)])
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert not (tmp_path / "ck").exists()  # stopped before any checkpoint was due
+
+
+def test_without_a_save_hook_signals_are_left_alone(clean):
+    model, engine, loader, _ = _build()
+    seen = []
+
+    class Probe(BaseHook):
+        def before_train(self, trainer):
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    Trainer(engine).fit(loader, epochs=1, hooks=[Probe()])
+    assert seen == [signal.getsignal(signal.SIGTERM)]  # fit installed nothing: nowhere to write a checkpoint
+
+
+# -- 2 ranks -----------------------------------------------------------------------------------
+TWO_RANKS = COMMON + textwrap.dedent("""
+    out = sys.argv[1]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # torchrun keeps its store across restarts, so a restarted rank can read the gloo addresses of the killed
+    # attempt (connection refused, or a hang) when the group starts on it as it is, as launch_from_torch does.
+    # The group is started here on a per-attempt prefix of that store; launch_from_torch reuses it.
+    import datetime
+    import torch.distributed as dist
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    colossal_lite.launch_from_torch(config=dict(gradient_accumulation=2), seed=5, verbose=False)
+    rank = gpc.get_global_rank()
+    CheckpointSession.check_s = 0.0  # agree on the stop flag at every step (the default is about once a second)
+
+    class SignalRank1(BaseHook):
+        def __init__(self, at):
+            super().__init__()
+            self.at = at
+
+        def after_train_iter(self, trainer, *args):
+            if trainer.state.stepped and trainer.cur_step == self.at and rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def train(folder, at=None, resume=None):
+        torch.manual_seed(1)
+        model, engine, loader, sched = build(64, 2)  # 16 batches per rank, 8 steps per epoch
+        hooks = [LossHook(), LRSchedulerHook(sched, by_epoch=False), SignalRank1(at), SaveCheckpointHook(1, folder)]
+        Trainer(engine).fit(loader, epochs=2, hooks=hooks, resume_from=resume)
+        return weights(model)
+
+    if attempt == 0:  # the uninterrupted run, on the same 2 ranks
+        reference = train(os.path.join(out, "reference"))
+        if rank == 0:
+            json.dump(reference, open(os.path.join(out, "reference.json"), "w"))
+    try:
+        final = train(os.path.join(out, "ck"), at=11 if attempt == 0 else None, resume="auto")
+    except TrainingPreempted as e:
+        open(os.path.join(out, f"preempted.rank{rank}"), "w").write(f"{e.code} {e.checkpoint}")
+        raise
+    if rank == 0:
+        json.dump(final, open(os.path.join(out, "final.json"), "w"))
+    gpc.destroy()
+""")
+
+
+def test_two_ranks_stop_together_when_one_is_signalled_and_torchrun_restarts_them_exactly(tmp_path):
+    script = tmp_path / "two.py"
+    script.write_text(TWO_RANKS)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=_env(), cwd=REPO)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    assert "exitcode: 75" in log  # the first attempt's workers left with the preemption status
+    assert (tmp_path / "preempted.rank1").read_text() == f"75 {tmp_path / 'ck' / 'epoch1-step11'}"
+    assert "SIGTERM: stopped at epoch 1, step 11 (batch 6 of the epoch)" in log  # rank 0 stopped at the same step
+    folder = tmp_path / "ck" / "epoch1-step11"
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "rank0.pt", "rank1.pt", "shared.pt"]
+    assert f"resumed from {folder}: epoch 1, step 11, batch 6 of the epoch" in log
+    final = json.loads((tmp_path / "final.json").read_text())
+    reference = json.loads((tmp_path / "reference.json").read_text())
+    assert final.keys() == reference.keys()
+    for name in reference:
+        assert torch.equal(torch.tensor(final[name]), torch.tensor(reference[name])), name
+    assert Path(tmp_path / "ck" / "last").read_text().strip() == "epoch1-step16"
