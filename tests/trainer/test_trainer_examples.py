@@ -11,7 +11,7 @@ def test_trainer_example_test_mode_verdict():
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (the `examples` extra)")
     proc = run_python(DIGITS / "train_trainer.py", ["--test-mode"], timeout=180)
     assert re.search(r"test mode: 1 train batch and 1 eval batch ran \(train loss [0-9.]+, eval loss [0-9.]+; "
-                     r"optimizer step applied\), loss finite: OK", proc.stdout), proc.stdout + proc.stderr
+                     r"optimizer step applied, checkpoint round trip OK \([^)]*\)\), loss finite: OK", proc.stdout), proc.stdout + proc.stderr
 
 
 def test_mixup_custom_hook_example_trains_and_reports_grad_norms():
