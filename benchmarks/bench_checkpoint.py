@@ -1,69 +1,204 @@
-"""Checkpoint cost: CheckpointManager save/load against plain torch.save/torch.load of the same tensors, and the time
-to resume (restore the loader + first batch) at the start versus near the end of an epoch.
+"""Cost of trainer checkpoints: save and load against plain torch.save / torch.load, and resuming mid-epoch.
 
-Run: python benchmarks/bench_checkpoint.py [--mb 200] [--rounds 5]   (medians of interleaved rounds)
+1. Save and load. A trainer (one process, CPU) trains an MLP of ``--layers`` Linear(width, width)
+   layers with Adam for 2 steps, so the checkpoint holds weights plus two Adam moments. Contestants,
+   run interleaved for ``--rounds`` rounds (median reported):
+   - ``save_trainer_checkpoint``: state gathering, the ``on_save_checkpoint`` event, the atomic folder
+     write with fsyncs, the ``last`` pointer, retention (keep_last_n=1);
+   - ``torch.save`` of the same (shared, per-rank) state to one file, without and with fsync;
+   - ``load_trainer_checkpoint``: read with ``weights_only=True`` and restore into the engine,
+     the scheduler, the trainer, the loader and the RNG; ``CheckpointManager.load`` (read only);
+   - ``torch.load(weights_only=True)`` of the single file.
+   The files stay in the page cache, so the loads measure deserialisation, not the disk.
+
+2. Resume. A loader of ``--samples`` samples (batch 64): ``fit(resume_from=...)`` from a checkpoint
+   taken after the epoch's 1st batch and from one taken 2 batches before its end; the time from the
+   ``fit`` call to the end of the first training iteration (restore + first batch). For contrast, the
+   same with a plain DataLoader, whose position the trainer can only reach by reading batches.
+
+    python benchmarks/bench_checkpoint.py [--layers 8] [--width 1024] [--rounds 5] [--samples 200000]
 """
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Dict, List
 
 import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import colossal_lite
+from colossal_lite.checkpoint import CheckpointManager
+from colossal_lite.core import global_context as gpc
+from colossal_lite.trainer import Trainer
+from colossal_lite.trainer.checkpointing import (
+    load_trainer_checkpoint,
+    save_trainer_checkpoint,
+    trainer_checkpoint_state,
+)
+from colossal_lite.trainer.hooks import BaseHook, LossHook, LRSchedulerHook, SaveCheckpointHook
+from colossal_lite.utils import get_dataloader
+
+QUIET = logging.getLogger("bench_checkpoint")  # no handler: the resume messages are not printed
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, default=200, help="checkpoint size in MiB")
+class Vectors(Dataset):
+    """``n`` samples of 32 floats and a class, made on access (a cheap but real ``__getitem__``)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(32, generator=g), i % 10
+
+
+def launch():
+    gpc.destroy()
+    colossal_lite.launch_from_torch(config={}, seed=0, verbose=False)
+
+
+def _median_ms(xs: List[float]) -> float:
+    return 1000 * statistics.median(xs)
+
+
+def interleaved(contestants: Dict[str, Callable[[], None]], rounds: int) -> Dict[str, List[float]]:
+    times: Dict[str, List[float]] = {name: [] for name in contestants}
+    for _ in range(rounds):
+        for name, fn in contestants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+# -- 1. save and load ----------------------------------------------------------------------------
+def bench_save_load(layers: int, width: int, rounds: int, root: Path) -> None:
+    launch()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    data = torch.utils.data.TensorDataset(torch.randn(16, width), torch.randn(16, width))
+    engine, loader, _, sched = colossal_lite.initialize(model, opt, nn.MSELoss(), get_dataloader(data, batch_size=8),
+                                                        lr_scheduler=sched, verbose=False)
+    trainer = Trainer(engine)
+    trainer.fit(loader, max_steps=2, hooks=[LossHook(), LRSchedulerHook(sched, by_epoch=False)])
+    trainer._attach([LossHook(), LRSchedulerHook(sched, by_epoch=False)], "benchmark")  # hooks as in a run
+
+    manager = CheckpointManager(root / "ck", keep_last_n=1)
+    shared, rank_state, _ = trainer_checkpoint_state(trainer, loader)
+    single = root / "plain.pt"
+    paths: Dict[str, Path] = {}
+
+    def trainer_save():
+        paths["last"] = save_trainer_checkpoint(trainer, manager, loader)
+
+    def plain_save():
+        torch.save({"shared": shared, "rank": rank_state}, single)
+
+    def plain_save_fsync():
+        with open(single, "wb") as f:
+            torch.save({"shared": shared, "rank": rank_state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    saves = interleaved({"save_trainer_checkpoint (atomic folder, fsync, retention)": trainer_save,
+                         "torch.save, one file, no fsync": plain_save,
+                         "torch.save + fsync": plain_save_fsync}, rounds)
+    size = sum(p.stat().st_size for p in paths["last"].rglob("*") if p.is_file())
+    loads = interleaved({"load_trainer_checkpoint (read + restore into the run)":
+                         lambda: load_trainer_checkpoint(trainer, manager, paths["last"], loader),
+                         "CheckpointManager.load (read only)": lambda: manager.load(paths["last"]),
+                         "torch.load(weights_only=True)": lambda: torch.load(single, weights_only=True)}, rounds)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"\n1. save / load: {layers} x Linear({width}, {width}) + Adam = {params / 1e6:.1f} M parameters, "
+          f"checkpoint {size / 1e6:.0f} MB on disk; median of {rounds} interleaved rounds")
+    _table(saves, "torch.save + fsync")
+    _table(loads, "torch.load(weights_only=True)")
+    gpc.destroy()
+
+
+def _table(times: Dict[str, List[float]], reference: str) -> None:
+    ref = _median_ms(times[reference])
+    for name, xs in times.items():
+        m = _median_ms(xs)
+        print(f"   {name:<58} {m:9.1f} ms   x{m / ref:5.2f} vs {reference}")
+
+
+# -- 2. resume at the start vs near the end of an epoch -------------------------------------------
+class FirstIteration(BaseHook):
+    def after_train_iter(self, trainer, *args):
+        if not hasattr(self, "at"):
+            self.at = time.perf_counter()
+
+
+def _build_resume(samples: int, resumable: bool):
+    launch()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = Vectors(samples)
+    loader = get_dataloader(data, shuffle=True, batch_size=64) if resumable else DataLoader(data, batch_size=64)
+    engine, loader, _, _ = colossal_lite.initialize(model, opt, nn.CrossEntropyLoss(), loader, verbose=False)
+    return engine, loader
+
+
+def bench_resume(samples: int, rounds: int, root: Path) -> None:
+    print(f"\n2. resume: {samples} samples, batch 64 ({-(-samples // 64)} batches per epoch); time from fit(resume_from=) "
+          f"to the end of the first training iteration; median of {rounds} interleaved rounds")
+    for resumable in (True, False):
+        engine, loader = _build_resume(samples, resumable)
+        iters = len(loader)
+        ck = root / f"resume-{resumable}"
+        trainer = Trainer(engine, logger=QUIET)
+        trainer.fit(loader, max_steps=1, hooks=[SaveCheckpointHook("1ba", ck)])
+        start = ck / (ck / "last").read_text().strip()
+        trainer.fit(loader, max_steps=iters - 2, hooks=[SaveCheckpointHook("1000000ba", ck)])
+        end = ck / (ck / "last").read_text().strip()
+
+        def resume(path, target, resumable=resumable):
+            engine, loader = _build_resume(samples, resumable)
+            probe = FirstIteration()
+            began = time.perf_counter()
+            Trainer(engine, logger=QUIET).fit(loader, max_steps=target, hooks=[probe], resume_from=path)
+            return probe.at - began
+
+        times: Dict[str, List[float]] = {"start (after batch 1)": [], f"end (after batch {iters - 2})": []}
+        for _ in range(rounds):
+            times["start (after batch 1)"].append(resume(start, 2))
+            times[f"end (after batch {iters - 2})"].append(resume(end, iters - 1))
+        kind = "get_dataloader (the sampler skips)" if resumable else "plain DataLoader (batches read and dropped)"
+        parts = ", ".join(f"{name}: {_median_ms(xs):.0f} ms" for name, xs in times.items())
+        print(f"   {kind:<46} {parts}")
+    gpc.destroy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--samples", type=int, default=200_000, help="dataset size for the resume timing")
+    parser.add_argument("--samples", type=int, default=200_000)
     args = parser.parse_args()
-    from colossal_lite.checkpoint.manager import CheckpointManager
-    from colossal_lite.utils import get_dataloader
-
-    n = args.mb * 2**20 // 4 // 8
-    state = {"engine": {"model": {f"w{i}": torch.randn(n) for i in range(8)}}}
-    times = {"manager save": [], "torch.save": [], "manager load": [], "torch.load": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        manager = CheckpointManager(Path(tmp) / "ckpt", keep_last_n=1)
-        for r in range(args.rounds):  # interleaved: manager, plain, manager, plain ...
-            t0 = time.perf_counter()
-            manager.save(f"epoch{r}-step{r}", state, {})
-            times["manager save"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            torch.save(state, Path(tmp) / "plain.pt")
-            times["torch.save"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            manager.load("last")
-            times["manager load"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            torch.load(Path(tmp) / "plain.pt", weights_only=True)
-            times["torch.load"].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"checkpoint of {args.mb} MiB, median of {args.rounds} interleaved rounds:")
-    for k, v in med.items():
-        print(f"  {k:>13}: {v:.3f} s")
-    print(f"  save ratio {med['manager save'] / med['torch.save']:.2f}x, load ratio {med['manager load'] / med['torch.load']:.2f}x")
-
-    data = torch.utils.data.TensorDataset(torch.arange(args.samples).float())
-    resume = {"start": [], "end": []}
-    for _ in range(args.rounds):
-        for where, offset in (("start", 0), ("end", args.samples - 100)):
-            loader = get_dataloader(data, shuffle=True, batch_size=10)
-            saved = loader.sampler.state_dict()
-            saved["offset"] = offset
-            t0 = time.perf_counter()
-            fresh = get_dataloader(data, shuffle=True, batch_size=10)
-            fresh.sampler.load_state_dict(saved)
-            next(iter(fresh))
-            resume[where].append(time.perf_counter() - t0)
-    s, e = (statistics.median(resume[k]) * 1e3 for k in ("start", "end"))
-    print(f"resume + first batch ({args.samples:,} samples): start of epoch {s:.1f} ms, "
-          f"{args.samples - 100:,} samples in {e:.1f} ms (ratio {e / s:.2f}x)")
-    print(f"summary: save {med['manager save'] / med['torch.save']:.2f}x torch.save, load "
-          f"{med['manager load'] / med['torch.load']:.2f}x torch.load, resume near the end {e / s:.2f}x the start")
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, one thread")
+    root = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
+    try:
+        bench_save_load(args.layers, args.width, args.rounds, root)
+        bench_resume(args.samples, args.rounds, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ resume, interval saves at safe points, and preemption (SIGTERM / SIGINT).
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -46,16 +47,50 @@ class TrainingPreempted(SystemExit):
     """Raised by ``fit`` after SIGTERM/SIGINT once the checkpoint is written; exits the process with status 75.
 
     ``signal``: the signal number; ``checkpoint``: the folder written (or the one already there at that step).
+    With several ranks, once the exit status has been read (by the interpreter, as the exception ends the
+    script) the process ends with ``os._exit(75)`` after a flush and the exit handlers registered after this
+    module was imported: a process
+    leaving with its gloo threads alive can otherwise abort in C++ teardown (status 134) and hide the 75.
     """
 
-    def __init__(self, signum: int, checkpoint: Optional[Path]):
+    def __init__(self, signum: int, checkpoint: Optional[Path], hard_exit: bool = False):
         super().__init__(PREEMPTED_EXIT_CODE)
         self.signal = signum
         self.checkpoint = checkpoint
+        self._hard_exit = hard_exit
+
+    @property
+    def code(self) -> int:
+        global _HARD_EXIT
+        if self._hard_exit:
+            _HARD_EXIT = PREEMPTED_EXIT_CODE
+        return PREEMPTED_EXIT_CODE
 
     def __str__(self) -> str:
         return (f"training preempted by {_signal_name(self.signal)}; checkpoint {self.checkpoint}; "
                 f"exit status {PREEMPTED_EXIT_CODE}")
+
+
+_HARD_EXIT: Optional[int] = None
+
+
+def _exit_now_if_preempted() -> None:
+    """Registered when this module is imported, so it runs after the exit handlers registered later."""
+    if _HARD_EXIT is None:
+        return
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - closed or replaced streams
+            pass
+    os._exit(_HARD_EXIT)
+
+
+atexit.register(_exit_now_if_preempted)
 
 
 def _signal_name(signum: int) -> str:
@@ -465,9 +500,13 @@ class CheckpointSession:
 
     def at_step_boundary(self) -> bool:
         """After an optimizer step (and its evaluation): interval saves; True when the run must stop (preempted)."""
-        if self.trainer.state.batch_idx >= self.trainer.state.iters_per_epoch:
+        st = self.trainer.state
+        if st.batch_idx >= st.iters_per_epoch:
             return False  # the epoch ends now: the epoch's boundary comes right after its end events
         self._save_due()
+        if st.max_steps_reached or st.stop_training:  # the run stops inside the epoch: the final checkpoint is
+            for hook in self.save_hooks:  # taken here, before the epoch-end events of the cut-short epoch
+                hook.save(self.trainer)
         self._since += 1
         if self.world > 1 and self._since < self._every:
             return False
@@ -519,26 +558,4 @@ class CheckpointSession:
 
     def raise_if_preempted(self) -> None:
         if self.preempted is not None:
-            if self.world > 1:
-                _stop_group_at_exit()
-            raise TrainingPreempted(self.preempted, self.checkpoint)
-
-
-def _destroy_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - the process is ending anyway
-            pass
-
-
-def _stop_group_at_exit() -> None:
-    """Destroy the process group when the interpreter exits, so the exit status stays 75.
-
-    A process leaving with its gloo group still alive can end in ``std::terminate`` (status -6) while
-    its threads are torn down, which would hide the preemption status from the job scheduler.
-    """
-    import atexit
-
-    atexit.unregister(_destroy_group)
-    atexit.register(_destroy_group)
+            raise TrainingPreempted(self.preempted, self.checkpoint, hard_exit=self.world > 1)

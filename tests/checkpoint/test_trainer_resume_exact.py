@@ -162,3 +162,15 @@ def test_resuming_mid_epoch_loads_only_the_samples_not_yet_seen(tmp_path):
     _, _, resumed, data = train({}, resume=mid)
     assert resumed.cur_step == 33
     assert data.loaded == 44 - 5 * 4  # the 24 samples of the 6 batches left; the 20 seen are never loaded
+
+
+def test_a_run_stopped_by_max_steps_inside_an_epoch_resumes_exactly_with_a_per_epoch_schedule(tmp_path):
+    want, *_ = train({}, by_epoch=True)
+    train_until = 16  # epoch 1, micro-batch 5 of 11: the final checkpoint is taken before the cut epoch's end events
+    model, engine, loader, sched, _ = build({}, by_epoch=True)
+    Trainer(engine).fit(loader, epochs=3, max_steps=train_until, hooks=[
+        LossHook(), LRSchedulerHook(sched, by_epoch=True), EarlyStoppingHook("train/Loss", patience=100),
+        SaveCheckpointHook(1, tmp_path / "ck")])
+    assert [p.name for p in saved(tmp_path / "ck")] == ["epoch0-step11", "epoch1-step16"]
+    resumed, *_ = train({}, ck=tmp_path / "ck", by_epoch=True, resume="auto", interval=1)
+    assert_same(resumed, want, "resumed after a max_steps stop inside epoch 1")

@@ -1,6 +1,6 @@
 """Hooks for ``Trainer.fit`` / ``Trainer.evaluate`` (the legacy ``colossalai.trainer.hooks``)."""
 from ._base_hook import BaseHook
-from ._checkpoint_hook import LoadCheckpointHook, SaveCheckpointHook  # noqa: F401 - the lead adds them to __all__
+from ._checkpoint_hook import LoadCheckpointHook, SaveCheckpointHook
 from ._early_stopping import EarlyStoppingHook
 from ._log_hook import LogByEpochHook, LogMemoryByEpochHook, LogMetricByEpochHook, LogTimingByEpochHook, TensorboardHook
 from ._metric_hook import (
@@ -21,6 +21,6 @@ from ._mixup import MixUp
 __all__ = [
     "BaseHook", "MetricHook", "LossHook", "AccuracyHook", "LRSchedulerHook", "LogMetricByStepHook",
     "LogMetricByEpochHook", "TensorboardHook", "LogTimingByEpochHook", "LogMemoryByEpochHook", "ThroughputHook",
-    "EarlyStoppingHook", "MixUp", "LogByEpochHook",
+    "EarlyStoppingHook", "MixUp", "LogByEpochHook", "SaveCheckpointHook", "LoadCheckpointHook",
     "Metric", "LossMetric", "AccuracyMetric", "LearningRateMetric", "ThroughputMetric",
 ]
