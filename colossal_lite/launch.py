@@ -91,7 +91,15 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
         else:
             if host is None or port is None:
                 raise ValueError("launch needs host and port (the master's address) when world_size > 1")
-            kwargs["init_method"] = _init_method(host, port)
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                # torchrun keeps its store across restarts (--max-restarts): a prefix per attempt keeps a restarted
+                # worker from reading the killed attempt's gloo/nccl addresses
+                agent_store = dist.TCPStore(host, int(port), world_size, is_master=False,
+                                            timeout=datetime.timedelta(seconds=timeout))
+                kwargs["store"] = dist.PrefixStore(f"colossal_lite/attempt{restart}", agent_store)
+            else:
+                kwargs["init_method"] = _init_method(host, port)
         try:
             dist.init_process_group(**kwargs)
         except Exception as e:

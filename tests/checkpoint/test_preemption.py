@@ -207,16 +207,9 @@ def test_without_a_save_hook_signals_are_left_alone(clean):
 # -- 2 ranks -----------------------------------------------------------------------------------
 TWO_RANKS = COMMON + textwrap.dedent("""
     out = sys.argv[1]
+    # torchrun --max-restarts keeps its store across restarts; launch_from_torch starts each attempt's
+    # group on its own prefix of that store, so the restarted ranks meet again
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    # torchrun keeps its store across restarts, so a restarted rank can read the gloo addresses of the killed
-    # attempt (connection refused, or a hang) when the group starts on it as it is, as launch_from_torch does.
-    # The group is started here on a per-attempt prefix of that store; launch_from_torch reuses it.
-    import datetime
-    import torch.distributed as dist
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                          is_master=False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     colossal_lite.launch_from_torch(config=dict(gradient_accumulation=2), seed=5, verbose=False)
     rank = gpc.get_global_rank()
     CheckpointSession.check_s = 0.0  # agree on the stop flag at every step (the default is about once a second)
