@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from .io import format_bytes
+
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add ``ckpt info`` and ``ckpt export`` to ``subparsers`` (from ``parser.add_subparsers()``)."""
@@ -26,14 +28,6 @@ def register(subparsers) -> argparse.ArgumentParser:
     merge.add_argument("path", help="a checkpoint folder, pointer or checkpoint directory written by a sharded run")
     merge.add_argument("out", help="output file: the whole state with full model and optimizer tensors")
     return p
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _short(value: Any, width: int = 70) -> str:
@@ -58,14 +52,14 @@ def format_info(info: Dict[str, Any]) -> str:
             lines.append(f"    {k} = {_short(v)}")
     else:
         lines.append("  config: none recorded")
-    lines.append(f"  files ({_size(info['total_bytes'])} in all):")
+    lines.append(f"  files ({format_bytes(info['total_bytes'])} in all):")
     for name, n in info["files"].items():
-        lines.append(f"    {name:<16} {_size(n):>10}")
+        lines.append(f"    {name:<16} {format_bytes(n):>10}")
     entries = info.get("entries") or {}
     if entries:
         lines.append("  tensor data by entry:")
         for name, n in entries.items():
-            lines.append(f"    {name:<16} {_size(n):>10}")
+            lines.append(f"    {name:<16} {format_bytes(n):>10}")
     return "\n".join(lines)
 
 
@@ -90,7 +84,7 @@ def _export(path: str, out: str) -> int:
         state = load_file(resolve_path(p) / SHARED_FILE)
     weights = _strip_prefix(dict(model_state_from(state)))
     atomic_save(weights, out)
-    print(f"wrote {len(weights)} tensors ({_size(tensor_bytes(weights))}) to {out}; load them with "
+    print(f"wrote {len(weights)} tensors ({format_bytes(tensor_bytes(weights))}) to {out}; load them with "
           f"model.load_state_dict(torch.load({str(out)!r}, weights_only=True))")
     return 0
 
@@ -117,7 +111,7 @@ def _merge(path: str, out: str) -> int:
 
     state = merge_checkpoint(path, out)
     print(f"wrote {out}: {len(state['engine']['model'])} model tensors, "
-          f"{_size(tensor_bytes(state))} in all; resume from it with any number of ranks, or export it")
+          f"{format_bytes(tensor_bytes(state))} in all; resume from it with any number of ranks, or export it")
     return 0
 
 

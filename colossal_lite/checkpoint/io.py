@@ -159,6 +159,15 @@ def tensor_bytes(obj: Any) -> int:
 
 
 # -- fsync helpers -------------------------------------------------------------------------------
+def format_bytes(n: float) -> str:
+    """``8.1 KiB`` style sizes (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
 def fsync_dir(path: PathLike) -> None:
     """Make a rename or a new entry in folder ``path`` durable (no-op where folders cannot be opened)."""
     try:

@@ -125,8 +125,12 @@ def rescale_grads_(params, factor):
     if not grads:
         return
     if isinstance(factor, torch.Tensor):
+        on_device = {}
         for g in grads:  # DTensor gradients: scale the local shard in place
             local = g.to_local() if hasattr(g, "to_local") else g
-            local.mul_(factor.to(local.device))
+            f = on_device.get(local.device)
+            if f is None:
+                f = on_device[local.device] = factor.to(local.device)
+            local.mul_(f)
     else:
         torch._foreach_mul_(grads, factor)

@@ -25,14 +25,17 @@ def broadcast_module(module: nn.Module, src: int = 0):
             dist.broadcast(t.data, src=src)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip to global L2 norm ``max_norm`` (0 = only measure); returns the norm as a device tensor, no host sync."""
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip to global ``norm_type`` norm ``max_norm`` (0 = only measure); returns the norm as a plain device
+    tensor, no host sync. Sharded (DTensor) gradients give the global norm over all shards."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.zeros(())
     if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 class SingleProcess:

@@ -123,16 +123,6 @@ class FSDPStrategy(SingleProcess):
     def no_sync(self, model):
         return self._no_sync(model)
 
-    def clip_grad_norm_(self, parameters, max_norm):
-        params = [p for p in parameters if p.grad is not None]
-        if not params:
-            return torch.zeros(())
-        if max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
     @staticmethod
     def unwrap(model):
         inner = getattr(model, "_orig_mod", None)  # torch.compile around the FSDP2 module
@@ -153,13 +143,9 @@ class FSDPStrategy(SingleProcess):
     def load_model_state_dict(self, model, state, strict=True):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        own = model.state_dict()  # DTensors report their global shapes
-        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-                  for k in sorted(set(own) & set(state)) if tuple(state[k].shape) != tuple(own[k].shape)]
-        if shapes or (strict and (missing or unexpected)):
-            raise RuntimeError(f"the checkpoint does not match the model: missing keys {missing}, "
-                               f"unexpected keys {unexpected}, shape mismatches {shapes}")
+        from ..utils.checkpointing import check_model_state
+
+        check_model_state(model.state_dict(), state, strict)  # DTensors report their global shapes
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
     def sharded_state_dict(self, model, optimizer) -> dict:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointManager, capture_rng_state, checkpoint_name, restore_rng_state, to_plain
-from ..checkpoint.io import CheckpointError, CheckpointNotFoundError
+from ..checkpoint.io import CheckpointError, CheckpointNotFoundError, format_bytes
 from ..checkpoint.manager import has_sharded_state, load_sharded, model_state_from
 from ..core.global_context import global_context as gpc
 from .hooks._log_hook import log_rank_0
@@ -102,7 +102,7 @@ def _signal_name(signum: int) -> str:
 
 # -- ranks ---------------------------------------------------------------------------------------
 def _world() -> int:
-    return gpc.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return gpc.get_worldformat_bytes() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _broadcast(obj):
@@ -350,14 +350,6 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
-
-
 def checkpoint_round_trip(trainer, train_loader=None) -> str:
     """Save the run to a temporary folder, read it back, compare; the folder is removed. Every rank calls it.
 
@@ -395,7 +387,7 @@ def checkpoint_round_trip(trainer, train_loader=None) -> str:
     if not ok:
         return f"checkpoint round trip FAILED ({why or 'on another rank'})"
     took = time.perf_counter() - start
-    return f"checkpoint round trip OK ({_size(size)}, {took:.2f} s)" if size else \
+    return f"checkpoint round trip OK ({format_bytes(size)}, {took:.2f} s)" if size else \
         f"checkpoint round trip OK ({took:.2f} s)"
 
 

@@ -18,21 +18,16 @@ def _strip_prefix(state: Dict[str, torch.Tensor], prefix: str = "module.") -> Di
     return state
 
 
-def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], strict: bool = True):
-    """Load ``state`` into ``model`` (DDP ``module.`` prefixes ignored either way).
+def check_model_state(own: Dict[str, torch.Tensor], state: Dict[str, torch.Tensor], strict: bool = True):
+    """Raise a ``RuntimeError`` listing missing/unexpected keys (with ``strict``) and shape mismatches.
 
-    With ``strict``, a mismatch raises a ``RuntimeError`` listing missing and unexpected
-    keys and the shape mismatches.
+    ``own`` is the model's state dict (DTensors report their global shapes). Returns (missing, unexpected).
     """
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    state = _strip_prefix(dict(state))
-    own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
               for k in sorted(set(own) & set(state))
-              if isinstance(state[k], torch.Tensor) and state[k].shape != own[k].shape]
+              if isinstance(state[k], torch.Tensor) and tuple(state[k].shape) != tuple(own[k].shape)]
     if shapes or (strict and (missing or unexpected)):
         parts = []
         if missing:
@@ -43,6 +38,18 @@ def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], strict: b
         if shapes:
             parts.append(f"shape mismatches ({len(shapes)}): {'; '.join(shapes[:20])}")
         raise RuntimeError("the checkpoint does not match the model:\n  " + "\n  ".join(parts))
+    return missing, unexpected
+
+
+def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], strict: bool = True):
+    """Load ``state`` into ``model`` (DDP ``module.`` prefixes ignored either way).
+
+    With ``strict``, a mismatch raises a ``RuntimeError`` listing missing and unexpected
+    keys and the shape mismatches.
+    """
+    model = _unwrap(model)
+    state = _strip_prefix(dict(state))
+    missing, unexpected = check_model_state(model.state_dict(), state, strict)
     model.load_state_dict(state, strict=False)
     return missing, unexpected
 

@@ -70,12 +70,11 @@ def conditional_context(context_manager, enable: bool = True):
 
 def clip_grad_norm_fp32(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients to a global norm; returns the total norm as a device tensor."""
+    from ..engine.strategy import clip_grad_norm_
+
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.zeros(())
-    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    return clip_grad_norm_(parameters, max_norm, norm_type)
 
 
 def barrier():
