@@ -119,6 +119,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
                     window=window, clip_grad_norm=config.get("clip_grad_norm", 0.0),
                     schedule=NonPipelineSchedule(data_process_func), device=device,
                     grad_reduction=config.get("grad_reduction", "mean"), compiled=bool(compile_cfg))
+    gpc._engines.add(engine)
     if auto:
         from .engine.auto_batch import AutoMicroBatcher
 

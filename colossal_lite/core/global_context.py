@@ -6,8 +6,10 @@ answer: rank 0, world size 1, no group, the current device. If the user initiali
 """
 from __future__ import annotations
 
+import gc
 import os
 import random
+import weakref
 from typing import Optional
 
 import torch
@@ -30,6 +32,7 @@ class GlobalContext:
         self._device: Optional[torch.device] = None
         self.verbose = False
         self.seed: Optional[int] = None
+        self._engines = weakref.WeakSet()  # engines built by initialize(); detached from the group on destroy()
 
     # -- config ----------------------------------------------------------------------------
     @property
@@ -142,7 +145,15 @@ class GlobalContext:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def destroy(self):
-        """Destroy the process group this context created and forget the launch."""
+        """Destroy the process group this context created and forget the launch.
+
+        Engines first drop their DDP wrapper: a DDP module still holding the destroyed group when the
+        interpreter shuts down can abort the process ("terminate called without an active exception").
+        """
+        for engine in list(self._engines):
+            engine.detach_from_group()
+        self._engines = weakref.WeakSet()
+        gc.collect()
         if self._owns_group and _dist_ready():
             dist.destroy_process_group()
         self._owns_group = False

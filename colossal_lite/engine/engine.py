@@ -250,6 +250,14 @@ class Engine:
         self.training = False
         self._model.eval()
 
+    def detach_from_group(self):
+        """Stop communicating: forward runs on the user's module without the DDP wrapper (called by gpc.destroy)."""
+        from .strategy import DDPStrategy, SingleProcess
+
+        if isinstance(self.strategy, DDPStrategy):
+            self._model = self.unwrapped_model
+            self.strategy = SingleProcess()
+
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """Model (without DDP prefixes), optimizer, loss scaler, accumulation counter.
