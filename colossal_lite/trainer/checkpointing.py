@@ -102,7 +102,7 @@ def _signal_name(signum: int) -> str:
 
 # -- ranks ---------------------------------------------------------------------------------------
 def _world() -> int:
-    return gpc.get_worldformat_bytes() if dist.is_available() and dist.is_initialized() else 1
+    return gpc.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _broadcast(obj):
