@@ -1,23 +1,34 @@
-"""Per-micro-step cost of the colossal_lite engine against the hand-written PyTorch loop it replaces.
+"""Per-micro-step cost of the colossal_lite engine and Trainer against the hand-written PyTorch loop.
 
 Workload: a 512 -> 512 -> 10 MLP, batch 64, SGD, gradient accumulation 2, global-norm clipping
-1.0, fp32, CPU, one thread. Each contestant trains its own copy of the same model on the same
-batches; the contestants run interleaved (A, B, A, B, ...) for several rounds so that drifts of
-the machine hit them alike, and the median over rounds is reported.
+1.0, fp32, CPU, one thread. The Trainer runs ``fit`` with LossHook, AccuracyHook, LRSchedulerHook
+(per update), LogMetricByStepHook and the progress display on (plain lines, written to /dev/null).
 
-    python benchmarks/bench_engine.py [--rounds 7] [--steps 300] [--warmup 100]
+How it is measured (this machine is shared and noisy; instances of the same model differ by tens of us):
+- the three contestants train ONE model with ONE optimizer, so memory placement cannot favour one;
+- they alternate every ``--block`` micro-steps (a whole number of accumulation windows): the Trainer's
+  loader, every ``block`` batches, hands control to the hand-written loop and the engine loop (random
+  order), which run the same batches, timed apart; so ``fit`` runs once over all epochs, with its epoch
+  ends, evaluations-free progress lines and metric reductions counted where they fall;
+- the first epoch is warm-up; each block gives one paired difference (contestant - hand, same moment),
+  and the median of those is reported with a 95 % confidence interval (order statistics).
 
-To add a contestant (e.g. the Trainer), write a ``build_*`` function returning a callable that
-runs one micro-step for a given batch, and add it to ``CONTESTANTS``.
+    python benchmarks/bench_engine.py [--epochs 8] [--epoch-steps 600] [--block 20]
+
+Before timing, each contestant trains its own copy of the model for a few steps and must end with the
+same parameters as the hand-written loop (they do the same work).
 """
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
+import math
+import os
+import random
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -104,7 +115,8 @@ class _TrainerSteps:
         n = len(batches)
         loader = [batches[i % n] for i in range(start, start + steps)]
         self.epochs += 1
-        self.trainer.fit(loader, epochs=self.epochs, hooks=self.hooks, display_progress=True)
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            self.trainer.fit(loader, epochs=self.epochs, hooks=self.hooks, display_progress=True)
 
     def __call__(self, batch: Batch):
         self.run_many([batch], 1, 0)
@@ -137,25 +149,17 @@ BASELINE = "hand"
 
 
 # -- measurement ----------------------------------------------------------------------------------
-def run_steps(micro_step: MicroStep, batches: List[Batch], steps: int, start: int = 0) -> float:
-    """Seconds for ``steps`` micro-steps (a whole number of accumulation windows keeps contestants in phase)."""
-    n = len(batches)
-    t0 = time.perf_counter()
-    if hasattr(micro_step, "run_many"):
-        micro_step.run_many(batches, steps, start)
-    else:
-        for i in range(start, start + steps):
-            micro_step(batches[i % n])
-    return time.perf_counter() - t0
-
-
 def check_same_result(w: Workload, steps: int = 8):
-    """Before timing: every contestant must produce the same parameters (so they do the same work)."""
+    """Before timing: every contestant, on its own copy, must produce the hand loop's parameters."""
     batches = w.batches()
     results = {}
     for name, build in CONTESTANTS.items():
         micro_step, model = build(w)
-        run_steps(micro_step, batches, steps)
+        if hasattr(micro_step, "run_many"):
+            micro_step.run_many(batches, steps, 0)
+        else:
+            for i in range(steps):
+                micro_step(batches[i % len(batches)])
         results[name] = [p.detach().clone() for p in model.parameters()]
     ref = results[BASELINE]
     for name, params in results.items():
@@ -165,49 +169,146 @@ def check_same_result(w: Workload, steps: int = 8):
                              f"they do not run the same workload")
 
 
+class InterleavedLoader:
+    """The Trainer's train loader; every ``block`` batches it runs the other contestants on the same batches.
+
+    ``segments['trainer']`` gets the Trainer's seconds per micro-step over each block (everything fit did
+    between two hand-overs, epoch ends included); ``segments[name]`` the other contestants' for the same block.
+    """
+
+    def __init__(self, batches: List[Batch], epoch_steps: int, block: int, others: Dict[str, MicroStep], seed: int = 0):
+        self.batches, self.epoch_steps, self.block, self.others = batches, epoch_steps, block, others
+        self.segments: Dict[str, List[float]] = {name: [] for name in ["trainer", *others]}
+        self.epoch = 0
+        self._rng = random.Random(seed)
+        self._mark: Optional[float] = None  # when the Trainer's current block began
+        self._done = 0  # batches handed out in all epochs
+
+    def __len__(self) -> int:
+        return self.epoch_steps
+
+    def _hand_over(self, block_batches: List[Batch]) -> None:
+        now = time.perf_counter()
+        if self._mark is not None:
+            self.segments["trainer"].append((now - self._mark) / self.block)
+        names = list(self.others)
+        self._rng.shuffle(names)
+        for name in names:
+            step = self.others[name]
+            t0 = time.perf_counter()
+            for batch in block_batches:
+                step(batch)
+            self.segments[name].append((time.perf_counter() - t0) / self.block)
+        self._mark = time.perf_counter()
+
+    def finish(self) -> None:
+        """After fit: the last block of the Trainer (its other contestants already ran)."""
+        if self._mark is not None:
+            self.segments["trainer"].append((time.perf_counter() - self._mark) / self.block)
+            self._mark = None
+
+    def __iter__(self):
+        n = len(self.batches)
+        for i in range(self.epoch_steps):
+            if i % self.block == 0:
+                start = self._done + i
+                self._hand_over([self.batches[(start + j) % n] for j in range(self.block)])
+            yield self.batches[(self._done + i) % n]
+        self._done += self.epoch_steps
+        self.epoch += 1
+
+
+def build_shared(w: Workload):
+    """The three contestants over one model and optimizer -> (hand step, engine step, trainer, hooks)."""
+    import colossal_lite
+    from colossal_lite.nn.metric import Accuracy
+    from colossal_lite.trainer import Trainer, hooks
+
+    colossal_lite.launch_from_torch(config=dict(gradient_accumulation=w.accumulation, clip_grad_norm=w.clip),
+                                    verbose=False)
+    model = w.model()
+    optimizer = w.optimizer(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # constant: same work as the others
+    engine, _, _, sched = colossal_lite.initialize(model, optimizer, nn.CrossEntropyLoss(), lr_scheduler=sched,
+                                                   verbose=False)
+    criterion = nn.CrossEntropyLoss()
+    params = list(model.parameters())
+    counter = [0]
+
+    def hand(batch: Batch):  # the same loop as build_hand, on the shared model
+        x, y = batch
+        if counter[0] == 0:
+            optimizer.zero_grad()
+        loss = criterion(model(x), y) / w.accumulation
+        loss.backward()
+        counter[0] += 1
+        if counter[0] == w.accumulation:
+            torch.nn.utils.clip_grad_norm_(params, w.clip)
+            optimizer.step()
+            counter[0] = 0
+
+    def engine_step(batch: Batch):
+        x, y = batch
+        engine.zero_grad()
+        loss = engine.criterion(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+
+    hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()),
+                 hooks.LRSchedulerHook(sched, by_epoch=False), hooks.LogMetricByStepHook()]
+    return hand, engine_step, Trainer(engine), hook_list
+
+
+def median_ci(values: List[float]) -> Tuple[float, float, float]:
+    """Median and a 95 % confidence interval for it (order statistics, normal approximation)."""
+    v = sorted(values)
+    n = len(v)
+    half = 1.96 * math.sqrt(n) / 2
+    lo, hi = max(0, int(math.floor(n / 2 - half))), min(n - 1, int(math.ceil(n / 2 + half)))
+    return statistics.median(v), v[lo], v[hi]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds; each runs every contestant once")
-    parser.add_argument("--steps", type=int, default=300, help="micro-steps per contestant per round")
-    parser.add_argument("--warmup", type=int, default=100, help="untimed micro-steps per contestant first")
+    parser.add_argument("--epochs", type=int, default=8, help="epochs of fit; the first is warm-up")
+    parser.add_argument("--epoch-steps", type=int, default=600, help="micro-steps per epoch")
+    parser.add_argument("--block", type=int, default=20, help="micro-steps each contestant runs before handing over")
     args = parser.parse_args()
     w = Workload()
-    if args.steps % w.accumulation or args.warmup % w.accumulation:
-        parser.error(f"--steps and --warmup must be multiples of the accumulation window ({w.accumulation})")
+    if args.block % w.accumulation or args.epoch_steps % args.block:
+        parser.error(f"--block must be a multiple of the accumulation window ({w.accumulation}) and divide "
+                     f"--epoch-steps")
+    if args.epochs < 2:
+        parser.error("--epochs must be >= 2 (the first is warm-up)")
     torch.set_num_threads(1)
 
     check_same_result(w)
-    batches = w.batches()
-    steppers = {name: build(w)[0] for name, build in CONTESTANTS.items()}
-    for step in steppers.values():
-        run_steps(step, batches, args.warmup)
+    hand, engine_step, trainer, hook_list = build_shared(w)
+    loader = InterleavedLoader(w.batches(), args.epoch_steps, args.block, {"hand": hand, "engine": engine_step})
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):  # progress lines: plain, not shown
+        trainer.fit(loader, epochs=args.epochs, hooks=hook_list, display_progress=True)
+    loader.finish()
 
-    per_step_us: Dict[str, List[float]] = {name: [] for name in steppers}
-    done = args.warmup
-    for _ in range(args.rounds):
-        for name, step in steppers.items():  # interleaved: A, B, A, B, ...
-            gc.collect()
-            seconds = run_steps(step, batches, args.steps, start=done)
-            per_step_us[name].append(seconds / args.steps * 1e6)
-        done += args.steps
-
+    warm = args.epoch_steps // args.block  # blocks of the first epoch
+    us = {name: [s * 1e6 for s in seg[warm:]] for name, seg in loader.segments.items()}
+    n = min(len(v) for v in us.values())
+    us = {name: v[:n] for name, v in us.items()}
     print(f"workload: MLP {w.in_features}->{w.hidden}->{w.classes}, batch {w.batch_size}, SGD, accumulation "
-          f"{w.accumulation}, clip {w.clip}, fp32, CPU, {torch.get_num_threads()} thread; "
-          f"{args.rounds} rounds x {args.steps} micro-steps after {args.warmup} warm-up")
-    medians = {name: statistics.median(v) for name, v in per_step_us.items()}
-    base = medians[BASELINE]
-    # the same round's difference cancels slow drifts of the machine; its median is the steadier figure
-    paired = {name: statistics.median(a - b for a, b in zip(v, per_step_us[BASELINE]))
-              for name, v in per_step_us.items() if name != BASELINE}
-    for name, values in per_step_us.items():
-        spread = f"min {min(values):.1f}, max {max(values):.1f}"
-        extra = "" if name == BASELINE else (f"  diff {medians[name] - base:+.1f} us (paired by round "
-                                             f"{paired[name]:+.1f} us)  ratio {medians[name] / base:.3f}")
-        print(f"  {name:>8}: median {medians[name]:8.1f} us/micro-step ({spread}){extra}")
-    summary = ", ".join(f"{name} {m:.1f} us" for name, m in medians.items())
-    others = ", ".join(f"{name} - {BASELINE} = {medians[name] - base:+.1f} us (paired {paired[name]:+.1f} us, "
-                       f"{medians[name] / base:.3f}x)" for name in paired)
-    print(f"summary: median per micro-step: {summary}; {others}")
+          f"{w.accumulation}, clip {w.clip}, fp32, CPU, {torch.get_num_threads()} thread; trainer with LossHook, "
+          f"AccuracyHook, LRSchedulerHook, LogMetricByStepHook, progress on; {args.epochs - 1} epochs x "
+          f"{args.epoch_steps} micro-steps after 1 warm-up epoch, contestants alternating every {args.block}")
+    base = us[BASELINE]
+    lines = []
+    for name in ("hand", "engine", "trainer"):
+        med = statistics.median(us[name])
+        if name == BASELINE:
+            print(f"  {name:>8}: median {med:8.1f} us/micro-step over {n} blocks")
+            continue
+        diff, lo, hi = median_ci([a - b for a, b in zip(us[name], base)])
+        print(f"  {name:>8}: median {med:8.1f} us/micro-step; paired {name} - {BASELINE}: {diff:+.1f} us "
+              f"(95% CI {lo:+.1f} .. {hi:+.1f}), ratio {med / statistics.median(base):.3f}")
+        lines.append(f"{name} - {BASELINE} = {diff:+.1f} us (95% CI {lo:+.1f}..{hi:+.1f})")
+    print(f"summary: hand {statistics.median(base):.1f} us per micro-step; " + "; ".join(lines))
 
 
 if __name__ == "__main__":

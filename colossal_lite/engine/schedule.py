@@ -11,8 +11,13 @@ import torch
 def move_to_device(obj: Any, device: torch.device) -> Any:
     """Tensors, and tensors inside lists, tuples and dicts, moved to ``device``.
 
-    Transfers from pinned memory to CUDA are non-blocking.
+    Transfers from pinned memory to CUDA are non-blocking. A ``(data, label)`` pair of tensors already
+    on ``device`` is returned as it is (the common case, checked first).
     """
+    if type(obj) is tuple and len(obj) == 2:
+        a, b = obj
+        if type(a) is torch.Tensor and type(b) is torch.Tensor and a.device == device and b.device == device:
+            return obj
     if isinstance(obj, torch.Tensor):
         if obj.device == device:
             return obj
@@ -63,6 +68,9 @@ def call_criterion(criterion: Callable, outputs: Any, labels: Any):
     return criterion(*outs, *labs)
 
 
+_UNKNOWN = object()
+
+
 class NonPipelineSchedule:
     """One forward (and backward) per call; ``data_process_func(batch) -> (data, label)`` is optional."""
 
@@ -72,15 +80,26 @@ class NonPipelineSchedule:
             if n != 1:
                 raise TypeError(f"data_process_func must take exactly one argument (the batch), it takes {n}")
         self.data_process_func = data_process_func
-        self.batch_size: Optional[int] = None
+        self._batch: Any = None  # the last batch loaded
+        self._size: Any = None  # its size; _UNKNOWN until asked
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        """Samples in the last batch loaded (first dimension of its first tensor); None when it has none."""
+        if self._size is _UNKNOWN:  # worked out when first asked, once per batch
+            t = _first_tensor(self._batch)
+            self._size = t.shape[0] if t is not None and t.dim() > 0 else None
+        return self._size
+
+    @batch_size.setter
+    def batch_size(self, value: Optional[int]) -> None:
+        self._size = value
 
     def load_batch(self, data_iter: Iterable, device: torch.device):
         if data_iter is None:
             raise RuntimeError("execute_schedule needs an iterator over batches, got None (pass iter(train_dataloader))")
-        batch = next(data_iter)
-        batch = move_to_device(batch, device)
-        t = _first_tensor(batch)
-        self.batch_size = t.shape[0] if t is not None and t.dim() > 0 else None
+        batch = move_to_device(next(data_iter), device)
+        self._batch, self._size = batch, _UNKNOWN
         return batch
 
     def split(self, batch):

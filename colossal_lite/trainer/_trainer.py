@@ -23,7 +23,7 @@ from .checkpointing import CheckpointSession, checkpoint_round_trip
 from .events import ENGINE_EVENTS, Event
 from .hooks._base_hook import BaseHook
 from .hooks._log_hook import log_rank_0
-from .progress import make_progress
+from .progress import NO_PROGRESS, make_progress
 from .state import State
 from .time import Interval, Time, TimeUnit
 
@@ -51,16 +51,32 @@ class _NullTimer:
 _NULL_TIMER = _NullTimer()
 
 
+_EVENT_NAMES = tuple(event.value for event in Event)
+_BASE_METHODS = {name: getattr(BaseHook, name) for name in _EVENT_NAMES}
+_OVERRIDDEN_BY_CLASS: Dict[type, frozenset] = {}
+
+
+def _overridden_by_class(cls: type) -> frozenset:
+    """Names of the event methods ``cls`` defines itself (cached: hook classes do not change)."""
+    names = _OVERRIDDEN_BY_CLASS.get(cls)
+    if names is None:
+        names = frozenset(n for n in _EVENT_NAMES if getattr(cls, n, None) is not _BASE_METHODS[n])
+        _OVERRIDDEN_BY_CLASS[cls] = names
+    return names
+
+
+def _overrides(hook: BaseHook, name: str) -> bool:
+    return name in _overridden_by_class(type(hook)) or name in getattr(hook, "__dict__", {})
+
+
 class _Handlers:
     """For each event, the tuple of bound hook methods that override it (built once per fit)."""
 
     def __init__(self, hooks: Sequence[BaseHook] = ()):
-        for event in Event:
-            setattr(self, event.value, tuple(getattr(h, event.value) for h in hooks if _overrides(h, event.value)))
-
-
-def _overrides(hook: BaseHook, name: str) -> bool:
-    return getattr(type(hook), name, None) is not getattr(BaseHook, name) or name in getattr(hook, "__dict__", {})
+        handled = [(hook, _overridden_by_class(type(hook)), getattr(hook, "__dict__", {})) for hook in hooks]
+        for name in _EVENT_NAMES:
+            setattr(self, name, tuple(getattr(hook, name) for hook, names, own in handled
+                                      if name in names or name in own))
 
 
 class _EngineEvents:
@@ -415,9 +431,13 @@ class Trainer:
         preempted = False
         self.fire(Event.BEFORE_TRAIN_EPOCH)
         timer.start("Train-epoch")
+        train_iter, return_output_label = self._train_iter, run.return_output_label
+        advance = None if progress is NO_PROGRESS else progress.advance
+        max_steps = st.max_steps if st.max_steps is not None else math.inf
         for _ in range(skip, st.iters_per_epoch):
-            self._train_iter(data_iter, run.return_output_label)
-            progress.advance()
+            train_iter(data_iter, return_output_label)
+            if advance is not None:
+                advance()
             if st.stepped:
                 if step_eval and run.interval.is_step_boundary(st.step):
                     progress.pause()  # one live bar at a time
@@ -426,7 +446,7 @@ class Trainer:
                 if boundary is not None and boundary():  # a safe point: interval saves; preemption
                     preempted = True
                     break
-                if st.max_steps_reached:
+                if st.step >= max_steps:
                     break
             if st.stop_training:
                 break
@@ -438,42 +458,58 @@ class Trainer:
         timer.reset("Train-epoch")
 
     def _train_iter(self, data_iter, return_output_label: bool) -> None:
-        """One micro-batch: the engine loop's steps with the iteration events between them."""
-        st, engine, h, timer = self.state, self._engine, self._h, self._run_timer
-        schedule = engine.schedule
-        for fn in h.before_train_iter:
-            fn(self)
-        timer.start("Train-step")
-        if h.before_zero_grad and engine.window.at_start:
-            for fn in h.before_zero_grad:
+        """One micro-batch: the engine loop's steps with the iteration events between them.
+
+        This runs once per micro-batch, so it does as little as it can: events without subscribers cost a
+        truth test, and the timer is only called when the run has one.
+        """
+        st, engine, h = self.state, self._engine, self._h
+        if h.before_train_iter:
+            for fn in h.before_train_iter:
                 fn(self)
-        engine.zero_grad()
+        timer = self._run_timer
+        timed = timer is not _NULL_TIMER
+        if timed:
+            timer.start("Train-step")
+        if engine.window.micro_step == 0:  # a new accumulation window: gradients are cleared
+            if h.before_zero_grad:
+                for fn in h.before_zero_grad:
+                    fn(self)
+            engine.zero_grad()
         st.stepped = st.updated = False
-        batch = schedule.load_batch(data_iter, engine.device)
-        st.batch = batch
-        st.data, st.label = schedule.split(batch)
+        schedule = engine.schedule
+        batch = st.batch = schedule.load_batch(data_iter, engine.device)
+        data, label = st.data, st.label = schedule.split(batch)
         if h.after_batch_loaded:
             for fn in h.after_batch_loaded:
                 fn(self)
             if st.batch is not batch:  # a hook replaced the whole batch
                 st.data, st.label = schedule.split(st.batch)
-        for fn in h.before_forward:
-            fn(self)
+            data, label = st.data, st.label
+        if h.before_forward:
+            for fn in h.before_forward:
+                fn(self)
+            data, label = st.data, st.label
         if engine.auto_batcher is None:
-            st.output = call_with(engine, st.data)
-            for fn in h.after_forward:
-                fn(self)
-            st.loss = call_criterion(engine.criterion, st.output, st.label)
-            for fn in h.after_loss:
-                fn(self)
-            for fn in h.before_backward:
-                fn(self)
-            engine.backward(st.loss)
+            output = st.output = call_with(engine, data)
+            if h.after_forward:
+                for fn in h.after_forward:
+                    fn(self)
+                output, label = st.output, st.label
+            loss = st.loss = call_criterion(engine.criterion, output, label)
+            if h.after_loss or h.before_backward:
+                for fn in h.after_loss:
+                    fn(self)
+                for fn in h.before_backward:
+                    fn(self)
+                loss = st.loss
+            engine.backward(loss)
         else:  # gradient_accumulation='auto': forward, loss and backward run as one unit (retried on OOM)
             engine.window.begin_backward()
-            st.output, st.loss = engine.auto_batcher.run(engine, st.data, st.label)
-        for fn in h.after_backward:
-            fn(self)
+            st.output, st.loss = engine.auto_batcher.run(engine, data, label)
+        if h.after_backward:
+            for fn in h.after_backward:
+                fn(self)
         if engine.window.ready:
             st.updated = engine.step()
             st.stepped = True
@@ -481,7 +517,8 @@ class Trainer:
             st.grad_norm = engine.grad_norm
         st.iteration += 1
         st.batch_idx += 1
-        timer.stop("Train-step", keep_in_history=True)
+        if timed:
+            timer.stop("Train-step", keep_in_history=True)
         if h.after_train_iter:
             if return_output_label:
                 args = (st.output, st.label, st.loss)

@@ -222,12 +222,6 @@ def save_trainer_checkpoint(trainer, manager: CheckpointManager, train_loader=No
 
 
 # -- restoring ---------------------------------------------------------------------------------
-def _refresh_lr_metrics(trainer) -> None:
-    for _, hook in _scheduler_hooks(trainer):
-        if hook.metric is not None:
-            hook._record(trainer)
-
-
 def _load_weights_only(trainer, path: Path, shared: Dict[str, Any], strict: bool) -> None:
     engine = trainer.engine
     if has_sharded_state(path) and "model" not in (shared.get("engine") or {}):
@@ -289,7 +283,6 @@ def load_trainer_checkpoint(trainer, manager: CheckpointManager, which: Union[st
         _load_weights_only(trainer, path, shared, strict)
         st.load_state_dict({"epoch": 0, "step": 0, "iteration": 0, "batch_idx": 0})
         trainer._step_from_epoch = False
-        _refresh_lr_metrics(trainer)
         return path
 
     engine_state = shared.get("engine")
@@ -332,7 +325,6 @@ def load_trainer_checkpoint(trainer, manager: CheckpointManager, which: Union[st
             load(data)  # the sampler starts after the samples already seen; nothing is loaded to skip them
         if rank_state.get("rng") is not None:
             restore_rng_state(rank_state["rng"])
-    _refresh_lr_metrics(trainer)
     return path
 
 

@@ -63,7 +63,8 @@ class State:
         self.grad_norm: Any = None
         self.stepped = False
         self.updated = False
-        self.lr: Optional[float] = None  # written by LRSchedulerHook(store_lr_in_state=True)
+        self._lr: Optional[float] = None  # ``lr``: set, or read from ``_lr_source`` (LRSchedulerHook)
+        self._lr_source = None
         # control
         self.stop_training = False
         self.stop_reason: Optional[str] = None
@@ -87,6 +88,22 @@ class State:
     def step_metrics(self) -> Dict[str, Any]:
         """``{lower-case name: value}`` of the last iteration (device tensors or floats, read only when shown)."""
         return self.states.setdefault("step_metrics", {})
+
+    # -- learning rate ------------------------------------------------------------------------
+    @property
+    def lr(self) -> Optional[float]:
+        """The learning rate: read from the LR scheduler of ``LRSchedulerHook(store_lr_in_state=True)``
+        when one is attached (so it is current after every step without costing one), else the value set."""
+        source = self._lr_source
+        return float(source()) if source is not None else self._lr
+
+    @lr.setter
+    def lr(self, value: Optional[float]) -> None:
+        self._lr, self._lr_source = value, None
+
+    def follow_lr(self, source) -> None:
+        """Make ``lr`` read ``source()`` (a callable returning the current learning rate) when asked."""
+        self._lr_source = source
 
     # -- derived -----------------------------------------------------------------------------
     @property

@@ -93,18 +93,18 @@ class LossMetric(Metric):
         self._last: Optional[torch.Tensor] = None
 
     def update(self, loss: torch.Tensor, num_samples: int = 1) -> None:
-        loss = loss.detach()
-        self._pending.append(loss)
+        pending = self._pending
+        pending.append(loss.detach())
         self._pending_sizes.append(num_samples)
         self._count += num_samples
-        self._last = loss
         self._cached = None
-        if len(self._pending) >= self.fold_every:
+        if len(pending) >= self.fold_every:
             self._fold()
 
     def _fold(self) -> None:
         if not self._pending:
             return
+        self._last = self._pending[-1]
         losses = _stack(self._pending)
         sizes = torch.tensor(self._pending_sizes, dtype=torch.float32).to(losses.device, non_blocking=True)
         part = (losses * sizes).sum()
@@ -112,7 +112,7 @@ class LossMetric(Metric):
         self._pending, self._pending_sizes = [], []
 
     def last_step_value(self):
-        return self._last
+        return self._pending[-1] if self._pending else self._last
 
     def _compute_accumulated(self) -> float:
         self._fold()
@@ -220,17 +220,28 @@ def _is_torchmetrics_metric(obj) -> bool:
 
 
 class LearningRateMetric(Metric):
-    """The learning rate of the first parameter group (a float; the same on every rank, no reduction)."""
+    """The learning rate of the first parameter group (a float; the same on every rank, no reduction).
 
-    def __init__(self, epoch_only: bool, initial_lr: float = 0.0, device: Optional[torch.device] = None):
+    With ``source`` (a callable returning the current learning rate) the value is read when asked, so
+    following the schedule costs nothing per step; ``update(lr)`` sets a value instead.
+    """
+
+    def __init__(self, epoch_only: bool, initial_lr: float = 0.0, device: Optional[torch.device] = None,
+                 source: Optional[Callable[[], float]] = None):
         super().__init__(epoch_only, device)
-        self.lr = float(initial_lr)
+        self._lr = float(initial_lr)
+        self._source = source
+
+    @property
+    def lr(self) -> float:
+        return float(self._source()) if self._source is not None else self._lr
 
     def reset(self) -> None:
         self._cached = None  # the LR is a running value: kept across epochs
 
     def update(self, lr: float) -> None:
-        self.lr = float(lr)
+        self._lr = float(lr)
+        self._source = None
         self._cached = None
 
     def last_step_value(self):
@@ -354,7 +365,7 @@ class LossHook(MetricHook):
 
     def after_train_iter(self, trainer, output, label, loss):
         if loss is not None:
-            self.train_loss.update(loss, _num_samples(trainer))
+            self.train_loss.update(loss, trainer._engine.schedule.batch_size or 1)
 
     def before_test_epoch(self, trainer):
         self.test_loss.reset()
@@ -443,27 +454,19 @@ class LRSchedulerHook(MetricHook):
     def after_hook_is_attached(self, trainer):
         self._check_metric_states_initialization(trainer)
         self.metric = None
-        if self.store_lr_in_state:
-            lr = self._current_lr()
-            self.metric = LearningRateMetric(epoch_only=self.by_epoch, initial_lr=lr, device=device_of(trainer))
+        if self.store_lr_in_state:  # the metric and state.lr read the scheduler when asked: nothing per step
+            self.metric = LearningRateMetric(epoch_only=self.by_epoch, initial_lr=self._current_lr(),
+                                             device=device_of(trainer), source=self._current_lr)
             trainer.states["metrics"]["train"]["LR"] = self.metric
-            trainer.state.lr = lr
-
-    def _record(self, trainer):
-        if self.metric is not None:
-            lr = self._current_lr()
-            self.metric.update(lr)
-            trainer.state.lr = lr
+            trainer.state.follow_lr(self._current_lr)
 
     def after_train_iter(self, trainer, output, label, loss):
         if not self.by_epoch and trainer.state.updated:
             self.lr_scheduler.step()
-            self._record(trainer)
 
     def after_train_epoch(self, trainer):
         if self.by_epoch:
             self.lr_scheduler.step()
-            self._record(trainer)
 
 
 def _synchronize(device: torch.device) -> None:
