@@ -25,6 +25,7 @@ import contextlib
 import math
 import os
 import random
+import resource
 import statistics
 import time
 from dataclasses import dataclass
@@ -169,6 +170,12 @@ def check_same_result(w: Workload, steps: int = 8):
                              f"they do not run the same workload")
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (glibc returning heap memory to the OS and touching it
+    again shows up here; it can cost any contestant tens of us per micro-step, by chance of heap layout)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 class InterleavedLoader:
     """The Trainer's train loader; every ``block`` batches it runs the other contestants on the same batches.
 
@@ -179,6 +186,8 @@ class InterleavedLoader:
     def __init__(self, batches: List[Batch], epoch_steps: int, block: int, others: Dict[str, MicroStep], seed: int = 0):
         self.batches, self.epoch_steps, self.block, self.others = batches, epoch_steps, block, others
         self.segments: Dict[str, List[float]] = {name: [] for name in ["trainer", *others]}
+        self.faults: Dict[str, List[float]] = {name: [] for name in ["trainer", *others]}
+        self._faults_mark = 0
         self.epoch = 0
         self._rng = random.Random(seed)
         self._mark: Optional[float] = None  # when the Trainer's current block began
@@ -191,14 +200,18 @@ class InterleavedLoader:
         now = time.perf_counter()
         if self._mark is not None:
             self.segments["trainer"].append((now - self._mark) / self.block)
+            self.faults["trainer"].append((_minor_faults() - self._faults_mark) / self.block)
         names = list(self.others)
         self._rng.shuffle(names)
         for name in names:
             step = self.others[name]
+            f0 = _minor_faults()
             t0 = time.perf_counter()
             for batch in block_batches:
                 step(batch)
             self.segments[name].append((time.perf_counter() - t0) / self.block)
+            self.faults[name].append((_minor_faults() - f0) / self.block)
+        self._faults_mark = _minor_faults()
         self._mark = time.perf_counter()
 
     def finish(self) -> None:
@@ -218,8 +231,8 @@ class InterleavedLoader:
         self.epoch += 1
 
 
-def build_shared(w: Workload):
-    """The three contestants over one model and optimizer -> (hand step, engine step, trainer, hooks)."""
+def build_shared(w: Workload, epoch_steps: int):
+    """The contestants over one model and optimizer -> ({name: micro-step}, trainer, hooks)."""
     import colossal_lite
     from colossal_lite.nn.metric import Accuracy
     from colossal_lite.trainer import Trainer, hooks
@@ -247,6 +260,34 @@ def build_shared(w: Workload):
             optimizer.step()
             counter[0] = 0
 
+    inner_sched = sched.lr_scheduler  # the LambdaLR the Trainer's LRSchedulerHook steps
+    sink = open(os.devnull, "w")
+    kept: List[torch.Tensor] = []
+    done = [0]
+
+    def hand_same_work(batch: Batch):
+        """The hand loop plus, written by hand, what the hooks and progress do: the LR scheduler steps each
+        update, each loss is kept (detached) and averaged at the epoch's end, and a progress line with the
+        last loss and LR is printed every 10% of the epoch."""
+        x, y = batch
+        if counter[0] == 0:
+            optimizer.zero_grad()
+        loss = criterion(model(x), y)
+        (loss / w.accumulation).backward()
+        kept.append(loss.detach())
+        counter[0] += 1
+        if counter[0] == w.accumulation:
+            torch.nn.utils.clip_grad_norm_(params, w.clip)
+            optimizer.step()
+            inner_sched.step()
+            counter[0] = 0
+        done[0] += 1
+        if done[0] % (epoch_steps // 10) == 0:
+            print(f"{done[0]} loss={loss.item():.5g} lr={inner_sched.get_last_lr()[0]:.5g}", file=sink)
+        if done[0] % epoch_steps == 0:
+            print(f"epoch loss {torch.stack(kept).mean().item():.5g}", file=sink)
+            kept.clear()
+
     def engine_step(batch: Batch):
         x, y = batch
         engine.zero_grad()
@@ -256,7 +297,8 @@ def build_shared(w: Workload):
 
     hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()),
                  hooks.LRSchedulerHook(sched, by_epoch=False), hooks.LogMetricByStepHook()]
-    return hand, engine_step, Trainer(engine), hook_list
+    steps = {"hand": hand, "hand+": hand_same_work, "engine": engine_step}
+    return steps, Trainer(engine), hook_list
 
 
 def median_ci(values: List[float]) -> Tuple[float, float, float]:
@@ -283,8 +325,8 @@ def main():
     torch.set_num_threads(1)
 
     check_same_result(w)
-    hand, engine_step, trainer, hook_list = build_shared(w)
-    loader = InterleavedLoader(w.batches(), args.epoch_steps, args.block, {"hand": hand, "engine": engine_step})
+    steps, trainer, hook_list = build_shared(w, args.epoch_steps)
+    loader = InterleavedLoader(w.batches(), args.epoch_steps, args.block, steps)
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):  # progress lines: plain, not shown
         trainer.fit(loader, epochs=args.epochs, hooks=hook_list, display_progress=True)
     loader.finish()
@@ -299,15 +341,15 @@ def main():
           f"{args.epoch_steps} micro-steps after 1 warm-up epoch, contestants alternating every {args.block}")
     base = us[BASELINE]
     lines = []
-    for name in ("hand", "engine", "trainer"):
+    print(f"  {BASELINE:>8}: median {statistics.median(base):8.1f} us/micro-step over {n} blocks")
+    for name, ref in (("engine", BASELINE), ("trainer", BASELINE), ("hand+", BASELINE), ("trainer", "hand+")):
         med = statistics.median(us[name])
-        if name == BASELINE:
-            print(f"  {name:>8}: median {med:8.1f} us/micro-step over {n} blocks")
-            continue
-        diff, lo, hi = median_ci([a - b for a, b in zip(us[name], base)])
-        print(f"  {name:>8}: median {med:8.1f} us/micro-step; paired {name} - {BASELINE}: {diff:+.1f} us "
-              f"(95% CI {lo:+.1f} .. {hi:+.1f}), ratio {med / statistics.median(base):.3f}")
-        lines.append(f"{name} - {BASELINE} = {diff:+.1f} us (95% CI {lo:+.1f}..{hi:+.1f})")
+        diff, lo, hi = median_ci([a - b for a, b in zip(us[name], us[ref])])
+        print(f"  {name:>8}: median {med:8.1f} us/micro-step; paired {name} - {ref}: {diff:+.1f} us "
+              f"(95% CI {lo:+.1f} .. {hi:+.1f}), ratio {med / statistics.median(us[ref]):.3f}")
+        lines.append(f"{name} - {ref} = {diff:+.1f} us (95% CI {lo:+.1f}..{hi:+.1f})")
+    faults = ", ".join(f"{name} {statistics.median(v[warm:]):.1f}" for name, v in loader.faults.items())
+    print(f"  minor page faults per micro-step (median over blocks): {faults}")
     print(f"summary: hand {statistics.median(base):.1f} us per micro-step; " + "; ".join(lines))
 
 

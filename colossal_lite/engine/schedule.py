@@ -16,8 +16,9 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
     """
     if type(obj) is tuple and len(obj) == 2:
         a, b = obj
-        if type(a) is torch.Tensor and type(b) is torch.Tensor and a.device == device and b.device == device:
-            return obj
+        if type(a) is torch.Tensor and type(b) is torch.Tensor:
+            if (a.is_cpu and b.is_cpu) if device.type == "cpu" else (a.device == device and b.device == device):
+                return obj
     if isinstance(obj, torch.Tensor):
         if obj.device == device:
             return obj
@@ -33,6 +34,8 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
 def _first_tensor(obj):
     if isinstance(obj, torch.Tensor):
         return obj
+    if type(obj) is tuple and obj and type(obj[0]) is torch.Tensor:  # (data, label): the common case
+        return obj[0]
     if isinstance(obj, (list, tuple)):
         for o in obj:
             t = _first_tensor(o)
@@ -101,6 +104,14 @@ class NonPipelineSchedule:
         batch = move_to_device(next(data_iter), device)
         self._batch, self._size = batch, _UNKNOWN
         return batch
+
+    def load_split(self, data_iter: Iterable, device: torch.device):
+        """``load_batch`` then ``split``: -> (batch, data, label)."""
+        batch = self.load_batch(data_iter, device)
+        if self.data_process_func is None and type(batch) is tuple and len(batch) == 2:
+            return batch, batch[0], batch[1]
+        data, label = self.split(batch)
+        return batch, data, label
 
     def split(self, batch):
         if self.data_process_func is not None:

@@ -53,20 +53,15 @@ _NULL_TIMER = _NullTimer()
 
 _EVENT_NAMES = tuple(event.value for event in Event)
 _BASE_METHODS = {name: getattr(BaseHook, name) for name in _EVENT_NAMES}
-_OVERRIDDEN_BY_CLASS: Dict[type, frozenset] = {}
 
 
 def _overridden_by_class(cls: type) -> frozenset:
-    """Names of the event methods ``cls`` defines itself (cached: hook classes do not change)."""
-    names = _OVERRIDDEN_BY_CLASS.get(cls)
-    if names is None:
-        names = frozenset(n for n in _EVENT_NAMES if getattr(cls, n, None) is not _BASE_METHODS[n])
-        _OVERRIDDEN_BY_CLASS[cls] = names
-    return names
+    """Names of the event methods ``cls`` (or a base other than BaseHook) defines."""
+    return frozenset(n for n in _EVENT_NAMES if getattr(cls, n, None) is not _BASE_METHODS[n])
 
 
 def _overrides(hook: BaseHook, name: str) -> bool:
-    return name in _overridden_by_class(type(hook)) or name in getattr(hook, "__dict__", {})
+    return getattr(type(hook), name, None) is not _BASE_METHODS[name] or name in getattr(hook, "__dict__", {})
 
 
 class _Handlers:
@@ -478,8 +473,7 @@ class Trainer:
             engine.zero_grad()
         st.stepped = st.updated = False
         schedule = engine.schedule
-        batch = st.batch = schedule.load_batch(data_iter, engine.device)
-        data, label = st.data, st.label = schedule.split(batch)
+        batch, data, label = st.batch, st.data, st.label = schedule.load_split(data_iter, engine.device)
         if h.after_batch_loaded:
             for fn in h.after_batch_loaded:
                 fn(self)
@@ -491,12 +485,15 @@ class Trainer:
                 fn(self)
             data, label = st.data, st.label
         if engine.auto_batcher is None:
-            output = st.output = call_with(engine, data)
+            output = st.output = engine(data) if type(data) is torch.Tensor else call_with(engine, data)
             if h.after_forward:
                 for fn in h.after_forward:
                     fn(self)
                 output, label = st.output, st.label
-            loss = st.loss = call_criterion(engine.criterion, output, label)
+            if type(output) is torch.Tensor and type(label) is torch.Tensor:
+                loss = st.loss = engine.criterion(output, label)
+            else:
+                loss = st.loss = call_criterion(engine.criterion, output, label)
             if h.after_loss or h.before_backward:
                 for fn in h.after_loss:
                     fn(self)

@@ -87,6 +87,49 @@ def test_loss_metric_accumulates_on_the_device_and_caches_until_update():
     assert metric.get_accumulated_value() != metric.get_accumulated_value()  # NaN: nothing measured
 
 
+def test_loss_metric_sums_in_place_in_float32_without_keeping_the_graph():
+    metric = LossMetric(epoch_only=False)
+    w = torch.tensor(1.5, requires_grad=True)
+    losses = [(w * 2).reshape(1), (w * 4).to(torch.bfloat16), w * 1]  # shape (1,), bf16, with a graph
+    for loss, n in zip(losses, (3, 1, 2)):
+        metric.update(loss, n)
+    assert metric._sum.dtype == torch.float32 and not metric._sum.requires_grad
+    assert metric.last_step_value().grad_fn is None  # the graph is not held
+    assert metric.get_accumulated_value() == pytest.approx((3.0 * 3 + 6.0 * 1 + 1.5 * 2) / 6)
+    with pytest.raises(RuntimeError):
+        metric.update(torch.ones(2), 1)  # a loss must be one number
+
+
+def test_loss_hook_weighs_by_the_labels_first_dimension():
+    engine, _ = make_engine(make_model())
+    batches = make_batches(3)
+    x, y = batches[-1]
+    batches[-1] = (x[:2], y[:2])  # a short last batch
+    result = Trainer(engine).evaluate(batches, hooks=[LossHook()])
+    with torch.no_grad():
+        per_sample = torch.cat([nn.functional.cross_entropy(engine.unwrapped_model(bx), by, reduction="none")
+                                for bx, by in batches])
+    assert result["Loss"] == pytest.approx(per_sample.mean().item(), rel=1e-5)
+
+
+def test_state_lr_follows_the_scheduler_and_can_be_set():
+    model = make_model()
+    engine, window = make_engine(model, accumulation=1)
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    seen = []
+
+    class Watch(BaseHook):
+        def after_train_iter(self, trainer, *args):
+            seen.append((trainer.state.lr, trainer.states["metrics"]["train"]["LR"].last_step_value()))
+
+    trainer = Trainer(engine)
+    trainer.fit(make_batches(3), epochs=1, hooks=[LRSchedulerHook(sched, by_epoch=False), Watch()])
+    assert seen == [pytest.approx((0.05, 0.05)), pytest.approx((0.025, 0.025)), pytest.approx((0.0125, 0.0125))]
+    trainer.state.lr = 0.5  # set by hand: no longer read from the scheduler
+    sched.step()
+    assert trainer.state.lr == 0.5
+
+
 def test_train_accuracy_and_output_label_requirement():
     engine, _ = make_engine(make_model())
     trainer = Trainer(engine)

@@ -74,11 +74,9 @@ class Metric:
 class LossMetric(Metric):
     """Mean loss per sample over the epoch (each batch's mean loss weighted by its size), over all ranks.
 
-    Per update it only keeps a reference to the loss tensor; every ``fold_every`` updates (and when read)
-    the kept losses are summed on the device in one go, so a step launches no extra device work.
+    Each update adds ``loss * samples`` into one float32 tensor on the loss's device, in place (no host
+    sync, nothing kept per step); the sum is all-reduced once when the epoch value is read.
     """
-
-    fold_every = 256  # updates kept before they are summed
 
     def __init__(self, epoch_only: bool, device: Optional[torch.device] = None):
         super().__init__(epoch_only, device)
@@ -86,36 +84,26 @@ class LossMetric(Metric):
 
     def reset(self) -> None:
         super().reset()
-        self._sum: Optional[torch.Tensor] = None  # sum of loss * samples (float32, on the device), folded so far
-        self._pending: List[torch.Tensor] = []
-        self._pending_sizes: List[int] = []
+        self._sum: Optional[torch.Tensor] = None  # sum of loss * samples (float32, on the loss's device)
         self._count = 0  # samples
         self._last: Optional[torch.Tensor] = None
 
     def update(self, loss: torch.Tensor, num_samples: int = 1) -> None:
-        pending = self._pending
-        pending.append(loss.detach())
-        self._pending_sizes.append(num_samples)
+        data = loss.data  # the value without its autograd graph (no copy)
+        if data.ndim:
+            data = data.reshape(())  # a one-element loss such as shape (1,)
+        total = self._sum
+        if total is None:
+            total = self._sum = torch.zeros((), dtype=torch.float32, device=data.device)
+        total.add_(data, alpha=num_samples)
         self._count += num_samples
+        self._last = data
         self._cached = None
-        if len(pending) >= self.fold_every:
-            self._fold()
-
-    def _fold(self) -> None:
-        if not self._pending:
-            return
-        self._last = self._pending[-1]
-        losses = _stack(self._pending)
-        sizes = torch.tensor(self._pending_sizes, dtype=torch.float32).to(losses.device, non_blocking=True)
-        part = (losses * sizes).sum()
-        self._sum = part if self._sum is None else self._sum + part
-        self._pending, self._pending_sizes = [], []
 
     def last_step_value(self):
-        return self._pending[-1] if self._pending else self._last
+        return self._last
 
     def _compute_accumulated(self) -> float:
-        self._fold()
         total = self._sum if self._sum is not None else torch.zeros((), dtype=torch.float32, device=self.device)
         buf = torch.stack([total.float(), torch.tensor(float(self._count), device=total.device)])
         loss_sum, count = all_reduce_sum_(buf).tolist()
@@ -346,6 +334,13 @@ def _num_samples(trainer) -> int:
     return trainer.engine.schedule.batch_size or 1
 
 
+def _samples(trainer, label) -> int:
+    """Samples in this batch: the label tensor's first dimension, else the batch's (``_num_samples``)."""
+    if type(label) is torch.Tensor and label.ndim:
+        return label.shape[0]
+    return trainer.engine.schedule.batch_size or 1
+
+
 class LossHook(MetricHook):
     """Train and test ``'Loss'``: the mean loss per sample of the epoch."""
 
@@ -365,14 +360,14 @@ class LossHook(MetricHook):
 
     def after_train_iter(self, trainer, output, label, loss):
         if loss is not None:
-            self.train_loss.update(loss, trainer._engine.schedule.batch_size or 1)
+            self.train_loss.update(loss, _samples(trainer, label))
 
     def before_test_epoch(self, trainer):
         self.test_loss.reset()
 
     def after_test_iter(self, trainer, output, label, loss):
         if loss is not None:
-            self.test_loss.update(loss, _num_samples(trainer))
+            self.test_loss.update(loss, _samples(trainer, label))
 
 
 class AccuracyHook(MetricHook):
@@ -446,6 +441,15 @@ class LRSchedulerHook(MetricHook):
         self.store_lr_in_state = bool(store_lr_in_state)
         self.metric: Optional[LearningRateMetric] = None
 
+    @property
+    def lr_scheduler(self):
+        return self._lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler) -> None:
+        self._lr_scheduler = scheduler
+        self._step = scheduler.step  # bound once: it runs after every update
+
     def _current_lr(self) -> float:
         if hasattr(self.lr_scheduler, "get_last_lr"):
             return float(self.lr_scheduler.get_last_lr()[0])
@@ -462,11 +466,11 @@ class LRSchedulerHook(MetricHook):
 
     def after_train_iter(self, trainer, output, label, loss):
         if not self.by_epoch and trainer.state.updated:
-            self.lr_scheduler.step()
+            self._step()
 
     def after_train_epoch(self, trainer):
         if self.by_epoch:
-            self.lr_scheduler.step()
+            self._step()
 
 
 def _synchronize(device: torch.device) -> None:
