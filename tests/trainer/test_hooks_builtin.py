@@ -87,17 +87,19 @@ def test_loss_metric_accumulates_on_the_device_and_caches_until_update():
     assert metric.get_accumulated_value() != metric.get_accumulated_value()  # NaN: nothing measured
 
 
-def test_loss_metric_sums_in_place_in_float32_without_keeping_the_graph():
+def test_loss_metric_keeps_values_without_the_graph_and_sums_in_float32():
     metric = LossMetric(epoch_only=False)
     w = torch.tensor(1.5, requires_grad=True)
     losses = [(w * 2).reshape(1), (w * 4).to(torch.bfloat16), w * 1]  # shape (1,), bf16, with a graph
     for loss, n in zip(losses, (3, 1, 2)):
         metric.update(loss, n)
-    assert metric._sum.dtype == torch.float32 and not metric._sum.requires_grad
-    assert metric.last_step_value().grad_fn is None  # the graph is not held
+    assert all(v.grad_fn is None for v in metric._pending)  # the graph is not held
+    assert metric.last_step_value().grad_fn is None
     assert metric.get_accumulated_value() == pytest.approx((3.0 * 3 + 6.0 * 1 + 1.5 * 2) / 6)
-    with pytest.raises(RuntimeError):
-        metric.update(torch.ones(2), 1)  # a loss must be one number
+    assert metric._sum.dtype == torch.float32 and not metric._sum.requires_grad
+    metric.update(torch.ones(2), 1)
+    with pytest.raises(RuntimeError, match="every loss must be one number"):
+        metric.get_accumulated_value()
 
 
 def test_loss_hook_weighs_by_the_labels_first_dimension():

@@ -74,9 +74,12 @@ class Metric:
 class LossMetric(Metric):
     """Mean loss per sample over the epoch (each batch's mean loss weighted by its size), over all ranks.
 
-    Each update adds ``loss * samples`` into one float32 tensor on the loss's device, in place (no host
-    sync, nothing kept per step); the sum is all-reduced once when the epoch value is read.
+    Per update it keeps the loss's value (``loss.data``: no copy, no autograd graph) and the sample count;
+    every ``fold_every`` updates, and when read, the kept values are summed on the device in one go. So a
+    step launches no device work and makes no host sync; the sum is all-reduced once when the epoch value is read.
     """
+
+    fold_every = 256  # updates kept before they are summed
 
     def __init__(self, epoch_only: bool, device: Optional[torch.device] = None):
         super().__init__(epoch_only, device)
@@ -84,26 +87,40 @@ class LossMetric(Metric):
 
     def reset(self) -> None:
         super().reset()
-        self._sum: Optional[torch.Tensor] = None  # sum of loss * samples (float32, on the loss's device)
+        self._sum: Optional[torch.Tensor] = None  # sum of loss * samples (float32, on the device), folded so far
+        self._pending: List[torch.Tensor] = []
+        self._sizes: List[int] = []
         self._count = 0  # samples
         self._last: Optional[torch.Tensor] = None
 
     def update(self, loss: torch.Tensor, num_samples: int = 1) -> None:
-        data = loss.data  # the value without its autograd graph (no copy)
-        if data.ndim:
-            data = data.reshape(())  # a one-element loss such as shape (1,)
-        total = self._sum
-        if total is None:
-            total = self._sum = torch.zeros((), dtype=torch.float32, device=data.device)
-        total.add_(data, alpha=num_samples)
+        pending = self._pending
+        pending.append(loss.data)  # the value without its autograd graph (an alias, not a copy)
+        self._sizes.append(num_samples)
         self._count += num_samples
-        self._last = data
         self._cached = None
+        if len(pending) >= self.fold_every:
+            self._fold()
+
+    def _fold(self) -> None:
+        pending = self._pending
+        if not pending:
+            return
+        self._last = pending[-1]
+        if any(v.numel() != 1 for v in pending):
+            raise RuntimeError(f"LossMetric: every loss must be one number, got shapes "
+                               f"{sorted({tuple(v.shape) for v in pending})}")
+        losses = _stack(pending)
+        sizes = torch.tensor(self._sizes, dtype=torch.float32).to(losses.device, non_blocking=True)
+        part = (losses * sizes).sum()
+        self._sum = part if self._sum is None else self._sum + part
+        self._pending, self._sizes = [], []
 
     def last_step_value(self):
-        return self._last
+        return self._pending[-1] if self._pending else self._last
 
     def _compute_accumulated(self) -> float:
+        self._fold()
         total = self._sum if self._sum is not None else torch.zeros((), dtype=torch.float32, device=self.device)
         buf = torch.stack([total.float(), torch.tensor(float(self._count), device=total.device)])
         loss_sum, count = all_reduce_sum_(buf).tolist()
@@ -359,8 +376,9 @@ class LossHook(MetricHook):
         self.train_loss.reset()
 
     def after_train_iter(self, trainer, output, label, loss):
-        if loss is not None:
-            self.train_loss.update(loss, _samples(trainer, label))
+        if loss is not None:  # samples: the label's first dimension (else the batch's), worked out inline
+            n = label.shape[0] if type(label) is torch.Tensor and label.ndim else _num_samples(trainer)
+            self.train_loss.update(loss, n)
 
     def before_test_epoch(self, trainer):
         self.test_loss.reset()
