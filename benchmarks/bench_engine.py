@@ -63,10 +63,8 @@ class Workload:
 
 
 # -- contestants: each returns (micro_step, model) ------------------------------------------------
-def build_hand(w: Workload) -> Tuple[MicroStep, nn.Module]:
+def hand_loop(w: Workload, model: nn.Module, optimizer: torch.optim.Optimizer) -> MicroStep:
     """The plain PyTorch loop: zero_grad per window, loss / N, backward, clip and step every N micro-steps."""
-    model = w.model()
-    optimizer = w.optimizer(model)
     criterion = nn.CrossEntropyLoss()
     params = list(model.parameters())
     counter = [0]
@@ -83,17 +81,11 @@ def build_hand(w: Workload) -> Tuple[MicroStep, nn.Module]:
             optimizer.step()
             counter[0] = 0
 
-    return micro_step, model
+    return micro_step
 
 
-def build_engine(w: Workload) -> Tuple[MicroStep, nn.Module]:
-    """The colossal_lite engine loop, with accumulation and clipping taken from the config."""
-    import colossal_lite
-
-    colossal_lite.launch_from_torch(config=dict(gradient_accumulation=w.accumulation, clip_grad_norm=w.clip),
-                                    verbose=False)
-    model = w.model()
-    engine, *_ = colossal_lite.initialize(model, w.optimizer(model), nn.CrossEntropyLoss(), verbose=False)
+def engine_loop(engine) -> MicroStep:
+    """The colossal_lite engine loop (accumulation and clipping come from the config)."""
 
     def micro_step(batch: Batch):
         x, y = batch
@@ -102,7 +94,41 @@ def build_engine(w: Workload) -> Tuple[MicroStep, nn.Module]:
         engine.backward(loss)
         engine.step()
 
-    return micro_step, engine.unwrapped_model
+    return micro_step
+
+
+def build_hand(w: Workload) -> Tuple[MicroStep, nn.Module]:
+    model = w.model()
+    return hand_loop(w, model, w.optimizer(model)), model
+
+
+def build_engine(w: Workload) -> Tuple[MicroStep, nn.Module]:
+    import colossal_lite
+
+    colossal_lite.launch_from_torch(config=dict(gradient_accumulation=w.accumulation, clip_grad_norm=w.clip),
+                                    verbose=False)
+    model = w.model()
+    engine, *_ = colossal_lite.initialize(model, w.optimizer(model), nn.CrossEntropyLoss(), verbose=False)
+    return engine_loop(engine), engine.unwrapped_model
+
+
+def trainer_setup(w: Workload):
+    """An engine with a constant LambdaLR (same result as the other loops) and the benchmark's hook list
+    -> (engine, scheduler, hooks)."""
+    import colossal_lite
+    from colossal_lite.nn.metric import Accuracy
+    from colossal_lite.trainer import hooks
+
+    colossal_lite.launch_from_torch(config=dict(gradient_accumulation=w.accumulation, clip_grad_norm=w.clip),
+                                    verbose=False)
+    model = w.model()
+    optimizer = w.optimizer(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    engine, _, _, sched = colossal_lite.initialize(model, optimizer, nn.CrossEntropyLoss(), lr_scheduler=sched,
+                                                   verbose=False)
+    hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()),
+                 hooks.LRSchedulerHook(sched, by_epoch=False), hooks.LogMetricByStepHook()]
+    return engine, sched, hook_list
 
 
 class _TrainerSteps:
@@ -125,19 +151,9 @@ class _TrainerSteps:
 
 def build_trainer(w: Workload) -> Tuple[MicroStep, nn.Module]:
     """Trainer.fit with LossHook, AccuracyHook, LRSchedulerHook, LogMetricByStepHook and progress display on."""
-    import colossal_lite
-    from colossal_lite.nn.metric import Accuracy
-    from colossal_lite.trainer import Trainer, hooks
+    from colossal_lite.trainer import Trainer
 
-    colossal_lite.launch_from_torch(config=dict(gradient_accumulation=w.accumulation, clip_grad_norm=w.clip),
-                                    verbose=False)
-    model = w.model()
-    optimizer = w.optimizer(model)
-    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # constant: same result as the others
-    engine, _, _, sched = colossal_lite.initialize(model, optimizer, nn.CrossEntropyLoss(), lr_scheduler=sched,
-                                                   verbose=False)
-    hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()),
-                 hooks.LRSchedulerHook(sched, by_epoch=False), hooks.LogMetricByStepHook()]
+    engine, sched, hook_list = trainer_setup(w)
     return _TrainerSteps(Trainer(engine), hook_list, sched), engine.unwrapped_model
 
 
@@ -225,6 +241,7 @@ class InterleavedLoader:
         """After fit: the last block of the Trainer (its other contestants already ran)."""
         if self._mark is not None:
             self.segments["trainer"].append((time.perf_counter() - self._mark) / self.block)
+            self.faults["trainer"].append((_minor_faults() - self._faults_mark) / self.block)
             self._mark = None
 
     def __iter__(self):
@@ -240,33 +257,13 @@ class InterleavedLoader:
 
 def build_shared(w: Workload, epoch_steps: int):
     """The contestants over one model and optimizer -> ({name: micro-step}, trainer, hooks)."""
-    import colossal_lite
-    from colossal_lite.nn.metric import Accuracy
-    from colossal_lite.trainer import Trainer, hooks
+    from colossal_lite.trainer import Trainer
 
-    colossal_lite.launch_from_torch(config=dict(gradient_accumulation=w.accumulation, clip_grad_norm=w.clip),
-                                    verbose=False)
-    model = w.model()
-    optimizer = w.optimizer(model)
-    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # constant: same work as the others
-    engine, _, _, sched = colossal_lite.initialize(model, optimizer, nn.CrossEntropyLoss(), lr_scheduler=sched,
-                                                   verbose=False)
+    engine, sched, hook_list = trainer_setup(w)
+    model, optimizer = engine.unwrapped_model, engine.optimizer
     criterion = nn.CrossEntropyLoss()
     params = list(model.parameters())
     counter = [0]
-
-    def hand(batch: Batch):  # the same loop as build_hand, on the shared model
-        x, y = batch
-        if counter[0] == 0:
-            optimizer.zero_grad()
-        loss = criterion(model(x), y) / w.accumulation
-        loss.backward()
-        counter[0] += 1
-        if counter[0] == w.accumulation:
-            torch.nn.utils.clip_grad_norm_(params, w.clip)
-            optimizer.step()
-            counter[0] = 0
-
     inner_sched = sched.lr_scheduler  # the LambdaLR the Trainer's LRSchedulerHook steps
     sink = open(os.devnull, "w")
     kept: List[torch.Tensor] = []
@@ -295,16 +292,7 @@ def build_shared(w: Workload, epoch_steps: int):
             print(f"epoch loss {torch.stack(kept).mean().item():.5g}", file=sink)
             kept.clear()
 
-    def engine_step(batch: Batch):
-        x, y = batch
-        engine.zero_grad()
-        loss = engine.criterion(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-
-    hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()),
-                 hooks.LRSchedulerHook(sched, by_epoch=False), hooks.LogMetricByStepHook()]
-    steps = {"hand": hand, "hand+": hand_same_work, "engine": engine_step}
+    steps = {"hand": hand_loop(w, model, optimizer), "hand+": hand_same_work, "engine": engine_loop(engine)}
     return steps, Trainer(engine), hook_list
 
 

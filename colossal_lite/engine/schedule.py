@@ -34,8 +34,6 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
 def _first_tensor(obj):
     if isinstance(obj, torch.Tensor):
         return obj
-    if type(obj) is tuple and obj and type(obj[0]) is torch.Tensor:  # (data, label): the common case
-        return obj[0]
     if isinstance(obj, (list, tuple)):
         for o in obj:
             t = _first_tensor(o)

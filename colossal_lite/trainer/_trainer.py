@@ -55,23 +55,21 @@ _EVENT_NAMES = tuple(event.value for event in Event)
 _BASE_METHODS = {name: getattr(BaseHook, name) for name in _EVENT_NAMES}
 
 
-def _overridden_by_class(cls: type) -> frozenset:
-    """Names of the event methods ``cls`` (or a base other than BaseHook) defines."""
-    return frozenset(n for n in _EVENT_NAMES if getattr(cls, n, None) is not _BASE_METHODS[n])
+def _class_defines(cls: type, name: str) -> bool:
+    """``cls`` (or a base other than BaseHook) defines the event method ``name``."""
+    return getattr(cls, name, None) is not _BASE_METHODS[name]
 
 
 def _overrides(hook: BaseHook, name: str) -> bool:
-    return getattr(type(hook), name, None) is not _BASE_METHODS[name] or name in getattr(hook, "__dict__", {})
+    return _class_defines(type(hook), name) or name in getattr(hook, "__dict__", {})
 
 
 class _Handlers:
     """For each event, the tuple of bound hook methods that override it (built once per fit)."""
 
     def __init__(self, hooks: Sequence[BaseHook] = ()):
-        handled = [(hook, _overridden_by_class(type(hook)), getattr(hook, "__dict__", {})) for hook in hooks]
         for name in _EVENT_NAMES:
-            setattr(self, name, tuple(getattr(hook, name) for hook, names, own in handled
-                                      if name in names or name in own))
+            setattr(self, name, tuple(getattr(hook, name) for hook in hooks if _overrides(hook, name)))
 
 
 class _EngineEvents:

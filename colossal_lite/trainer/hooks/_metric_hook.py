@@ -355,7 +355,7 @@ def _samples(trainer, label) -> int:
     """Samples in this batch: the label tensor's first dimension, else the batch's (``_num_samples``)."""
     if type(label) is torch.Tensor and label.ndim:
         return label.shape[0]
-    return trainer.engine.schedule.batch_size or 1
+    return _num_samples(trainer)
 
 
 class LossHook(MetricHook):
@@ -376,9 +376,8 @@ class LossHook(MetricHook):
         self.train_loss.reset()
 
     def after_train_iter(self, trainer, output, label, loss):
-        if loss is not None:  # samples: the label's first dimension (else the batch's), worked out inline
-            n = label.shape[0] if type(label) is torch.Tensor and label.ndim else _num_samples(trainer)
-            self.train_loss.update(loss, n)
+        if loss is not None:
+            self.train_loss.update(loss, _samples(trainer, label))
 
     def before_test_epoch(self, trainer):
         self.test_loss.reset()
@@ -459,15 +458,6 @@ class LRSchedulerHook(MetricHook):
         self.store_lr_in_state = bool(store_lr_in_state)
         self.metric: Optional[LearningRateMetric] = None
 
-    @property
-    def lr_scheduler(self):
-        return self._lr_scheduler
-
-    @lr_scheduler.setter
-    def lr_scheduler(self, scheduler) -> None:
-        self._lr_scheduler = scheduler
-        self._step = scheduler.step  # bound once: it runs after every update
-
     def _current_lr(self) -> float:
         if hasattr(self.lr_scheduler, "get_last_lr"):
             return float(self.lr_scheduler.get_last_lr()[0])
@@ -477,18 +467,18 @@ class LRSchedulerHook(MetricHook):
         self._check_metric_states_initialization(trainer)
         self.metric = None
         if self.store_lr_in_state:  # the metric and state.lr read the scheduler when asked: nothing per step
-            self.metric = LearningRateMetric(epoch_only=self.by_epoch, initial_lr=self._current_lr(),
-                                             device=device_of(trainer), source=self._current_lr)
+            self.metric = LearningRateMetric(epoch_only=self.by_epoch, device=device_of(trainer),
+                                             source=self._current_lr)
             trainer.states["metrics"]["train"]["LR"] = self.metric
             trainer.state.follow_lr(self._current_lr)
 
     def after_train_iter(self, trainer, output, label, loss):
         if not self.by_epoch and trainer.state.updated:
-            self._step()
+            self.lr_scheduler.step()
 
     def after_train_epoch(self, trainer):
         if self.by_epoch:
-            self._step()
+            self.lr_scheduler.step()
 
 
 def _synchronize(device: torch.device) -> None:
