@@ -24,7 +24,7 @@ setup(
         "psutil",
     ],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout", "numpy", "scikit-learn", "ruff"],
+        "dev": ["pytest>=7", "pytest-timeout", "numpy", "scikit-learn", "ruff", "tensorboard", "torchmetrics"],
         "examples": ["scikit-learn"],
         "tensorboard": ["tensorboard"],
     },

@@ -266,19 +266,19 @@ def build_shared(w: Workload, epoch_steps: int):
     counter = [0]
     inner_sched = sched.lr_scheduler  # the LambdaLR the Trainer's LRSchedulerHook steps
     sink = open(os.devnull, "w")
-    kept: List[torch.Tensor] = []
+    loss_sum = torch.zeros((), dtype=torch.float64)
     done = [0]
 
     def hand_same_work(batch: Batch):
         """The hand loop plus, written by hand, what the hooks and progress do: the LR scheduler steps each
-        update, each loss is kept (detached) and averaged at the epoch's end, and a progress line with the
-        last loss and LR is printed every 10% of the epoch."""
+        update, each loss is added (detached, in place) to a running sum averaged at the epoch's end, and a
+        progress line with the last loss and LR is printed every 10% of the epoch."""
         x, y = batch
         if counter[0] == 0:
             optimizer.zero_grad()
         loss = criterion(model(x), y)
         (loss / w.accumulation).backward()
-        kept.append(loss.detach())
+        loss_sum.add_(loss.detach())
         counter[0] += 1
         if counter[0] == w.accumulation:
             torch.nn.utils.clip_grad_norm_(params, w.clip)
@@ -289,8 +289,8 @@ def build_shared(w: Workload, epoch_steps: int):
         if done[0] % (epoch_steps // 10) == 0:
             print(f"{done[0]} loss={loss.item():.5g} lr={inner_sched.get_last_lr()[0]:.5g}", file=sink)
         if done[0] % epoch_steps == 0:
-            print(f"epoch loss {torch.stack(kept).mean().item():.5g}", file=sink)
-            kept.clear()
+            print(f"epoch loss {loss_sum.item() / epoch_steps:.5g}", file=sink)
+            loss_sum.zero_()
 
     steps = {"hand": hand_loop(w, model, optimizer), "hand+": hand_same_work, "engine": engine_loop(engine)}
     return steps, Trainer(engine), hook_list

@@ -14,6 +14,7 @@ from colossal_lite.nn.metric import Accuracy
 from colossal_lite.trainer import Trainer
 from colossal_lite.trainer.hooks import (
     AccuracyHook,
+    AccuracyMetric,
     BaseHook,
     EarlyStoppingHook,
     LogMemoryByEpochHook,
@@ -87,19 +88,30 @@ def test_loss_metric_accumulates_on_the_device_and_caches_until_update():
     assert metric.get_accumulated_value() != metric.get_accumulated_value()  # NaN: nothing measured
 
 
-def test_loss_metric_keeps_values_without_the_graph_and_sums_in_float32():
+def test_loss_metric_keeps_no_graph_and_sums_in_place_in_float64():
     metric = LossMetric(epoch_only=False)
     w = torch.tensor(1.5, requires_grad=True)
     losses = [(w * 2).reshape(1), (w * 4).to(torch.bfloat16), w * 1]  # shape (1,), bf16, with a graph
     for loss, n in zip(losses, (3, 1, 2)):
         metric.update(loss, n)
-    assert all(v.grad_fn is None for v in metric._pending)  # the graph is not held
-    assert metric.last_step_value().grad_fn is None
+    assert metric.last_step_value().grad_fn is None and metric._sum.grad_fn is None  # the graph is not held
+    assert metric._sum.dtype == torch.float64 and metric._sum.dim() == 0 and not metric._sum.requires_grad
     assert metric.get_accumulated_value() == pytest.approx((3.0 * 3 + 6.0 * 1 + 1.5 * 2) / 6)
-    assert metric._sum.dtype == torch.float32 and not metric._sum.requires_grad
-    metric.update(torch.ones(2), 1)
-    with pytest.raises(RuntimeError, match="every loss must be one number"):
-        metric.get_accumulated_value()
+    with pytest.raises(RuntimeError, match=r"one number per batch, got a tensor of shape \(2,\)"):
+        metric.update(torch.ones(2), 1)
+    assert metric.get_accumulated_value() == pytest.approx((3.0 * 3 + 6.0 * 1 + 1.5 * 2) / 6)  # nothing lost
+
+
+def test_accuracy_metric_counts_in_place_and_rejects_a_per_sample_result():
+    metric = AccuracyMetric(epoch_only=True, accuracy_func=lambda logits, y: (logits.argmax(-1) == y).sum())
+    logits = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    metric.update(logits, torch.tensor([1, 1, 1]))
+    metric.update(logits[:1], torch.tensor([0]))
+    assert metric.get_accumulated_value() == pytest.approx(2 / 4)
+    assert metric.last_step_value().item() == 0.0
+    bad = AccuracyMetric(epoch_only=True, accuracy_func=lambda logits, y: logits.argmax(-1) == y)
+    with pytest.raises(RuntimeError, match="number correct"):
+        bad.update(logits, torch.tensor([1, 1, 1]))
 
 
 def test_loss_hook_weighs_by_the_labels_first_dimension():
