@@ -13,7 +13,11 @@ How it is measured (this machine is shared and noisy; instances of the same mode
 - the first epoch is warm-up; each block gives one paired difference (contestant - hand, same moment),
   and the median of those is reported with a 95 % confidence interval (order statistics).
 
-    python benchmarks/bench_engine.py [--epochs 8] [--epoch-steps 600] [--block 20]
+    python benchmarks/bench_engine.py [--epochs 8] [--epoch-steps 600] [--block 20] [--runs 5]
+
+One process's heap and code layout shifts every figure by up to tens of us (a CI within one run does not
+show it), so ``--runs K`` runs the whole measurement in K fresh processes one after another and reports,
+for each difference, the median over the runs of their paired medians, with each run's figure.
 
 Before timing, each contestant trains its own copy of the model for a few steps and must end with the
 same parameters as the hand-written loop (they do the same work).
@@ -22,11 +26,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import random
 import resource
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -305,20 +312,13 @@ def median_ci(values: List[float]) -> Tuple[float, float, float]:
     return statistics.median(v), v[lo], v[hi]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=8, help="epochs of fit; the first is warm-up")
-    parser.add_argument("--epoch-steps", type=int, default=600, help="micro-steps per epoch")
-    parser.add_argument("--block", type=int, default=20, help="micro-steps each contestant runs before handing over")
-    args = parser.parse_args()
-    w = Workload()
-    if args.block % w.accumulation or args.epoch_steps % args.block:
-        parser.error(f"--block must be a multiple of the accumulation window ({w.accumulation}) and divide "
-                     f"--epoch-steps")
-    if args.epochs < 2:
-        parser.error("--epochs must be >= 2 (the first is warm-up)")
-    torch.set_num_threads(1)
+PAIRS = (("engine", BASELINE), ("trainer", BASELINE), ("hand+", BASELINE), ("trainer", "hand+"))
 
+
+def measure(args) -> Dict[str, object]:
+    """One run in this process: prints its report; returns {'hand': us, 'engine - hand': [diff, lo, hi], ...}."""
+    w = Workload()
+    torch.set_num_threads(1)
     check_same_result(w)
     steps, trainer, hook_list = build_shared(w, args.epoch_steps)
     loader = InterleavedLoader(w.batches(), args.epoch_steps, args.block, steps)
@@ -335,17 +335,63 @@ def main():
           f"AccuracyHook, LRSchedulerHook, LogMetricByStepHook, progress on; {args.epochs - 1} epochs x "
           f"{args.epoch_steps} micro-steps after 1 warm-up epoch, contestants alternating every {args.block}")
     base = us[BASELINE]
-    lines = []
+    result: Dict[str, object] = {BASELINE: statistics.median(base)}
     print(f"  {BASELINE:>8}: median {statistics.median(base):8.1f} us/micro-step over {n} blocks")
-    for name, ref in (("engine", BASELINE), ("trainer", BASELINE), ("hand+", BASELINE), ("trainer", "hand+")):
+    for name, ref in PAIRS:
         med = statistics.median(us[name])
         diff, lo, hi = median_ci([a - b for a, b in zip(us[name], us[ref])])
         print(f"  {name:>8}: median {med:8.1f} us/micro-step; paired {name} - {ref}: {diff:+.1f} us "
               f"(95% CI {lo:+.1f} .. {hi:+.1f}), ratio {med / statistics.median(us[ref]):.3f}")
-        lines.append(f"{name} - {ref} = {diff:+.1f} us (95% CI {lo:+.1f}..{hi:+.1f})")
+        result[f"{name} - {ref}"] = [diff, lo, hi]
     faults = ", ".join(f"{name} {statistics.median(v[warm:]):.1f}" for name, v in loader.faults.items())
     print(f"  minor page faults per micro-step (median over blocks): {faults}")
-    print(f"summary: hand {statistics.median(base):.1f} us per micro-step; " + "; ".join(lines))
+    print(f"summary: hand {statistics.median(base):.1f} us per micro-step; " + "; ".join(
+        f"{k} = {v[0]:+.1f} us (95% CI {v[1]:+.1f}..{v[2]:+.1f})" for k, v in result.items() if k != BASELINE))
+    return result
+
+
+def measure_in_processes(args) -> None:
+    """``--runs`` fresh processes, one after another; the median over runs of each paired median."""
+    runs = []
+    for i in range(args.runs):
+        cmd = [sys.executable, os.path.abspath(__file__), "--epochs", str(args.epochs), "--epoch-steps",
+               str(args.epoch_steps), "--block", str(args.block), "--json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"run {i + 1} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(f"run {i + 1}/{args.runs}: hand {runs[-1][BASELINE]:.1f} us; " + "; ".join(
+            f"{k} {v[0]:+.1f}" for k, v in runs[-1].items() if k != BASELINE), flush=True)
+    print(f"median over {args.runs} runs (each run: median of paired block differences):")
+    print(f"  hand: {statistics.median(r[BASELINE] for r in runs):.1f} us per micro-step")
+    for name, ref in PAIRS:
+        key = f"{name} - {ref}"
+        values = [r[key][0] for r in runs]
+        print(f"  {key}: {statistics.median(values):+.1f} us (runs: {', '.join(f'{v:+.1f}' for v in values)})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=8, help="epochs of fit; the first is warm-up")
+    parser.add_argument("--epoch-steps", type=int, default=600, help="micro-steps per epoch")
+    parser.add_argument("--block", type=int, default=20, help="micro-steps each contestant runs before handing over")
+    parser.add_argument("--runs", type=int, default=1, help="fresh processes to measure in (median over them)")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    args = parser.parse_args()
+    w = Workload()
+    if args.block % w.accumulation or args.epoch_steps % args.block:
+        parser.error(f"--block must be a multiple of the accumulation window ({w.accumulation}) and divide "
+                     f"--epoch-steps")
+    if args.epochs < 2:
+        parser.error("--epochs must be >= 2 (the first is warm-up)")
+    if args.runs < 1:
+        parser.error("--runs must be >= 1")
+    if args.runs > 1:
+        measure_in_processes(args)
+        return
+    result = measure(args)
+    if args.json:
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":
