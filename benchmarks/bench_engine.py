@@ -253,11 +253,11 @@ class InterleavedLoader:
 
     def __iter__(self):
         n = len(self.batches)
-        for i in range(self.epoch_steps):
-            if i % self.block == 0:
-                start = self._done + i
-                self._hand_over([self.batches[(start + j) % n] for j in range(self.block)])
-            yield self.batches[(self._done + i) % n]
+        for i in range(0, self.epoch_steps, self.block):
+            start = self._done + i
+            block_batches = [self.batches[(start + j) % n] for j in range(self.block)]
+            self._hand_over(block_batches)
+            yield from block_batches  # the Trainer's batches cost what _feed's cost the others
         self._done += self.epoch_steps
         self.epoch += 1
 

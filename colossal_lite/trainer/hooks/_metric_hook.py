@@ -134,7 +134,9 @@ class LossMetric(Metric):
         self._last: Optional[torch.Tensor] = None
 
     def update(self, loss: torch.Tensor, num_samples: int = 1) -> None:
-        value = _scalar(loss, "LossMetric: the loss")
+        value = loss.detach()
+        if value.dim():  # shape (1,) is fine; more numbers are refused
+            value = _scalar(value, "LossMetric: the loss")
         self._sum.add_(value, alpha=num_samples)
         self._count += num_samples
         self._last = value
