@@ -16,9 +16,8 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
     """
     if type(obj) is tuple and len(obj) == 2:
         a, b = obj
-        if type(a) is torch.Tensor and type(b) is torch.Tensor:
-            if (a.is_cpu and b.is_cpu) if device.type == "cpu" else (a.device == device and b.device == device):
-                return obj
+        if type(a) is torch.Tensor and type(b) is torch.Tensor and a.device == device and b.device == device:
+            return obj  # (device.type would cost more than both comparisons: it builds a string)
     if isinstance(obj, torch.Tensor):
         if obj.device == device:
             return obj
