@@ -28,14 +28,13 @@ def broadcast_module(module: nn.Module, src: int = 0):
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip to global ``norm_type`` norm ``max_norm`` (0 = only measure); returns the norm as a plain device
     tensor, no host sync. Sharded (DTensor) gradients give the global norm over all shards."""
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.zeros(())
-    if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    if max_norm > 0:  # torch skips parameters without a gradient (the norm of none is 0)
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
     else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], norm_type=norm_type)
+    if type(norm) is torch.Tensor or not hasattr(norm, "full_tensor"):
+        return norm
+    return norm.full_tensor()  # a DTensor (sharded gradients): the global norm
 
 
 class SingleProcess:
