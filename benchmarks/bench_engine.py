@@ -14,6 +14,7 @@ How it is measured (this machine is shared and noisy; instances of the same mode
   and the median of those is reported with a 95 % confidence interval (order statistics).
 
     python benchmarks/bench_engine.py [--epochs 8] [--epoch-steps 600] [--block 20] [--runs 5]
+                                      [--width 512] [--batch-size 64]
 
 One process's heap and code layout shifts every figure by up to tens of us (a CI within one run does not
 show it), so ``--runs K`` runs the whole measurement in K fresh processes one after another and reports,
@@ -317,7 +318,7 @@ PAIRS = (("engine", BASELINE), ("trainer", BASELINE), ("hand+", BASELINE), ("tra
 
 def measure(args) -> Dict[str, object]:
     """One run in this process: prints its report; returns {'hand': us, 'engine - hand': [diff, lo, hi], ...}."""
-    w = Workload()
+    w = Workload(in_features=args.width, hidden=args.width, batch_size=args.batch_size)
     torch.set_num_threads(1)
     check_same_result(w)
     steps, trainer, hook_list = build_shared(w, args.epoch_steps)
@@ -355,7 +356,8 @@ def measure_in_processes(args) -> None:
     runs = []
     for i in range(args.runs):
         cmd = [sys.executable, os.path.abspath(__file__), "--epochs", str(args.epochs), "--epoch-steps",
-               str(args.epoch_steps), "--block", str(args.block), "--json"]
+               str(args.epoch_steps), "--block", str(args.block), "--width", str(args.width), "--batch-size",
+               str(args.batch_size), "--json"]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise SystemExit(f"run {i + 1} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -375,10 +377,13 @@ def main():
     parser.add_argument("--epochs", type=int, default=8, help="epochs of fit; the first is warm-up")
     parser.add_argument("--epoch-steps", type=int, default=600, help="micro-steps per epoch")
     parser.add_argument("--block", type=int, default=20, help="micro-steps each contestant runs before handing over")
+    parser.add_argument("--width", type=int, default=Workload.in_features,
+                        help="input and hidden features of the MLP (small: the per-step Python cost with warm caches)")
+    parser.add_argument("--batch-size", type=int, default=Workload.batch_size)
     parser.add_argument("--runs", type=int, default=1, help="fresh processes to measure in (median over them)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
-    w = Workload()
+    w = Workload(in_features=args.width, hidden=args.width, batch_size=args.batch_size)
     if args.block % w.accumulation or args.epoch_steps % args.block:
         parser.error(f"--block must be a multiple of the accumulation window ({w.accumulation}) and divide "
                      f"--epoch-steps")
