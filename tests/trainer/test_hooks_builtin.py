@@ -206,12 +206,21 @@ def test_log_metric_by_epoch_hook_lines_and_interval():
 def test_tensorboard_hook_writes_readable_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    class Recorder(BaseHook):
+        losses = []
+
+        def after_train_iter(self, trainer, output, label, loss):
+            self.losses.append(loss.item())
+
     engine, _ = make_engine(make_model())
     hook = TensorboardHook(str(tmp_path))
+    hook.flush_every = 2  # points are buffered on the device: written when 2 are kept and at each epoch's end
+    recorder = Recorder()
     # LogMetricByEpochHook also reads the test loss: the second read must not change it
     logger = ListLogger()
     Trainer(engine).fit(make_batches(3), epochs=2, test_dataloader=make_batches(2),
-                        hooks=[LossHook(), LogMetricByEpochHook(logger), hook])
+                        hooks=[LossHook(), LogMetricByEpochHook(logger), hook, recorder,
+                               LRSchedulerHook(torch.optim.lr_scheduler.StepLR(engine.optimizer, 2, 0.5), False)])
     hook.close()
     acc = EventAccumulator(str(tmp_path / "global_rank_0"))
     acc.Reload()
@@ -219,6 +228,10 @@ def test_tensorboard_hook_writes_readable_scalars(tmp_path):
     test = acc.Scalars("Loss/test")
     assert [e.step for e in train] == [1, 2, 3, 4, 5, 6]
     assert [e.step for e in test] == [3, 6]
+    assert [e.value for e in train] == pytest.approx(recorder.losses, rel=1e-6)  # each step's own loss
+    lr = acc.Scalars("LR/train")  # host numbers, kept beside the device values
+    assert [(e.step, round(e.value, 6)) for e in lr] == [(1, 0.1), (2, 0.05), (3, 0.05), (4, 0.025), (5, 0.025),
+                                                       (6, 0.0125)]
     logged = float(re.search(r"\[Epoch 1 / Test\]: Loss = ([0-9.]+)", " ".join(logger.lines)).group(1))
     assert test[-1].value == pytest.approx(logged, rel=1e-4)
 

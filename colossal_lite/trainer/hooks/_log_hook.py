@@ -5,7 +5,7 @@ Values that need a collective (epoch metrics) are computed on every rank, whiche
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -88,12 +88,47 @@ class LogMetricByEpochHook(LogByEpochHook):
             log_rank_0(self.logger, f"{_epoch_label(trainer, 'Test')}: {line}")
 
 
+class _StepSeries:
+    """One tag's per-step points until they are written.
+
+    A device value is copied into a preallocated float32 buffer on its device (two small ops, no host sync),
+    so no tensor is kept alive per step (hundreds of small live tensors fragment the CPU heap); a host number
+    is kept as it is. ``drain`` reads the buffer with one device transfer.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.buffer: Optional[torch.Tensor] = None
+        self.points: List[Tuple[int, Optional[float]]] = []  # (step, number or None: in the buffer)
+
+    def add(self, value: Any, step: int) -> bool:
+        """Keep one point; True when the series is full."""
+        if isinstance(value, torch.Tensor):
+            if self.buffer is None:
+                self.buffer = torch.empty(self.capacity, dtype=torch.float32, device=value.device)
+            if value.requires_grad:
+                value = value.detach()
+            self.buffer[len(self.points)].copy_(value.reshape(()) if value.dim() else value)
+            self.points.append((step, None))
+        else:
+            self.points.append((step, to_number(value)))
+        return len(self.points) >= self.capacity
+
+    def drain(self) -> List[Tuple[int, float]]:
+        points, self.points = self.points, []
+        if not points:
+            return []
+        on_device = self.buffer[:len(points)].tolist() if self.buffer is not None else []
+        return [(step, on_device[i] if number is None else number) for i, (step, number) in enumerate(points)]
+
+
 class TensorboardHook(BaseHook):
     """Writes metrics as TensorBoard scalars to ``log_dir/{mode}_rank_{rank}`` (e.g. ``global_rank_0``).
 
     Training metrics that are not epoch-only (train ``Loss``, per-step ``LR``) get one point per optimizer
-    step, tag ``'{name}/train'``, x = ``trainer.cur_step``; they are kept as device tensors and written in
-    batches (at most ``flush_every`` steps apart and at each epoch's end), so no step waits for the device.
+    step, tag ``'{name}/train'``, x = ``trainer.cur_step``; they are copied into a buffer on the device and
+    written in batches (at most ``flush_every`` steps apart and at each epoch's end), so no step waits for the
+    device.
     Epoch-only metrics and all test metrics get one point per epoch / evaluation. ``ranks``: the ranks
     (inside ``parallel_mode``) that write; None = all.
     """
@@ -115,7 +150,7 @@ class TensorboardHook(BaseHook):
         self._is_valid_rank_to_log = ranks is None or self._rank in set(ranks)
         self.log_dir = os.path.join(str(log_dir), f"{parallel_mode.value}_rank_{self._rank}")
         self.writer = None
-        self._pending: List[Tuple[str, Any, int]] = []
+        self._series: Dict[str, _StepSeries] = {}  # per-step points of the train metrics, by name
 
     def after_hook_is_attached(self, trainer):
         if self._is_valid_rank_to_log and self.writer is None:
@@ -123,25 +158,24 @@ class TensorboardHook(BaseHook):
             self.writer = self._writer_cls(log_dir=self.log_dir, filename_suffix=f"_rank_{self._rank}")
 
     def _flush_pending(self) -> None:
-        if not self._pending:
-            return
-        tensors = [v.detach().float().reshape(()) for _, v, _ in self._pending if isinstance(v, torch.Tensor)]
-        numbers = iter(torch.stack(tensors).tolist() if tensors else [])  # one device read for the batch
-        for tag, value, step in self._pending:
-            number = next(numbers) if isinstance(value, torch.Tensor) else to_number(value)
-            self.writer.add_scalar(tag, number, step)
-        self._pending.clear()
+        for name, series in self._series.items():
+            for step, number in series.drain():
+                self.writer.add_scalar(f"{name}/train", number, step)
 
     def after_train_iter(self, trainer, *args):
         if not (self._is_valid_rank_to_log and trainer.state.stepped):
             return
         step = trainer.state.step
+        full = False
         for name, metric in trainer.states["metrics"]["train"].items():
             if not metric.epoch_only:
                 value = metric.last_step_value()
                 if value is not None:
-                    self._pending.append((f"{name}/train", value, step))
-        if len(self._pending) >= self.flush_every:
+                    series = self._series.get(name)
+                    if series is None:
+                        series = self._series[name] = _StepSeries(self.flush_every)
+                    full = series.add(value, step) or full
+        if full:
             self._flush_pending()
 
     def _write_epoch_values(self, trainer, phase: str, only_epoch_only: bool) -> None:
