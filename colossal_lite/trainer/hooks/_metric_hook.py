@@ -25,12 +25,17 @@ __all__ = ["Metric", "LossMetric", "AccuracyMetric", "LearningRateMetric", "Thro
 def _scalar(value: torch.Tensor, what: str) -> torch.Tensor:
     """``value`` detached, as a 0-dim tensor; a clear error when it holds more than one number."""
     value = value.detach()
-    if value.dim():
-        if value.numel() != 1:
-            raise RuntimeError(f"{what} must be one number per batch, got a tensor of shape {tuple(value.shape)}; "
-                               f"reduce it first (e.g. loss.mean())")
-        value = value.reshape(())
-    return value
+    if not value.dim():  # the usual case, first
+        return value
+    if value.numel() != 1:
+        raise RuntimeError(f"{what} must be one number per batch, got a tensor of shape {tuple(value.shape)}; "
+                           f"reduce it first (e.g. loss.mean())")
+    return value.reshape(())
+
+
+def _wide_dtype(device: torch.device) -> torch.dtype:
+    """float64 for sums read once per epoch; float32 on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 class _RunningSum:
@@ -62,7 +67,7 @@ class _RunningSum:
         if not self._updates:
             return
         part = self._part
-        wide = part.to(torch.float32 if part.device.type == "mps" else torch.float64)  # MPS has no float64
+        wide = part.to(_wide_dtype(part.device))
         self._total = wide if self._total is None else self._total + wide
         part.zero_()
         self._updates = 0
@@ -72,7 +77,7 @@ class _RunningSum:
         self._fold()
         if self._total is not None:
             return self._total
-        return torch.zeros((), dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
+        return torch.zeros((), dtype=_wide_dtype(device), device=device)
 
 
 class Metric:
@@ -134,9 +139,7 @@ class LossMetric(Metric):
         self._last: Optional[torch.Tensor] = None
 
     def update(self, loss: torch.Tensor, num_samples: int = 1) -> None:
-        value = loss.detach()
-        if value.dim():  # shape (1,) is fine; more numbers are refused
-            value = _scalar(value, "LossMetric: the loss")
+        value = _scalar(loss, "LossMetric: the loss")
         self._sum.add_(value, alpha=num_samples)
         self._count += num_samples
         self._last = value
@@ -324,9 +327,7 @@ class ThroughputMetric(Metric):
         if self.use_local:
             samples, mean_time = self._samples * world, self._time
         else:
-            buf = torch.tensor([float(self._samples), self._time], dtype=torch.float64, device=self.device)
-            if buf.device.type == "mps":  # no float64 there
-                buf = buf.float()
+            buf = torch.tensor([float(self._samples), self._time], dtype=_wide_dtype(self.device), device=self.device)
             samples, time_sum = all_reduce_sum_(buf).tolist()
             mean_time = time_sum / world
         self._reduced_time = mean_time
