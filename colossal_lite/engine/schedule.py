@@ -103,8 +103,18 @@ class NonPipelineSchedule:
         return batch
 
     def load_split(self, data_iter: Iterable, device: torch.device):
-        """``load_batch`` then ``split``: -> (batch, data, label)."""
-        batch = self.load_batch(data_iter, device)
+        """``load_batch`` then ``split``: -> (batch, data, label).
+
+        The common batch, a ``(data, label)`` tuple or list of two tensors already on ``device``, is
+        recognised here in one step (this runs once per micro-batch).
+        """
+        batch = next(data_iter)
+        if (type(batch) is tuple or type(batch) is list) and len(batch) == 2 and self.data_process_func is None:
+            a, b = batch
+            if type(a) is torch.Tensor and type(b) is torch.Tensor and a.device == device and b.device == device:
+                self._batch, self._size = batch, _UNKNOWN
+                return batch, a, b
+        batch = self.load_batch(iter((batch,)), device)
         if self.data_process_func is None and type(batch) is tuple and len(batch) == 2:
             return batch, batch[0], batch[1]
         data, label = self.split(batch)

@@ -61,6 +61,10 @@ def _class_defines(cls: type, name: str) -> bool:
 
 
 def _overrides(hook: BaseHook, name: str) -> bool:
+    """The hook handles event ``name``: its class (or the instance) defines the method, and it does not list
+    the event in ``skipped_events`` (a hook whose options leave a method idle saves its call per iteration)."""
+    if name in hook.skipped_events:
+        return False
     return _class_defines(type(hook), name) or name in getattr(hook, "__dict__", {})
 
 

@@ -107,6 +107,12 @@ class State:
 
     # -- derived -----------------------------------------------------------------------------
     @property
+    def epoch_finished(self) -> bool:
+        """All micro-batches of the current epoch have run (at ``after_train_epoch``: False when ``max_steps``,
+        a stop or a preemption cut the epoch short, so the next ``fit`` continues it)."""
+        return self.iters_per_epoch is not None and self.batch_idx >= self.iters_per_epoch
+
+    @property
     def max_steps_reached(self) -> bool:
         return self.max_steps is not None and self.step >= self.max_steps
 

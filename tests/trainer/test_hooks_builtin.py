@@ -88,17 +88,33 @@ def test_loss_metric_accumulates_on_the_device_and_caches_until_update():
     assert metric.get_accumulated_value() != metric.get_accumulated_value()  # NaN: nothing measured
 
 
-def test_loss_metric_keeps_no_graph_and_sums_in_place():
+def test_loss_metric_sums_weighted_losses_and_keeps_no_graph_past_a_fold():
+    import weakref
+
     metric = LossMetric(epoch_only=False)
     w = torch.tensor(1.5, requires_grad=True)
     losses = [(w * 2).reshape(1), (w * 4).to(torch.bfloat16), w * 1]  # shape (1,), bf16, with a graph
     for loss, n in zip(losses, (3, 1, 2)):
         metric.update(loss, n)
-    assert metric.last_step_value().grad_fn is None and not metric._sum._part.requires_grad  # no graph held
+    assert metric.last_step_value().grad_fn is None  # what hooks and the display read carries no graph
     assert metric.get_accumulated_value() == pytest.approx((3.0 * 3 + 6.0 * 1 + 1.5 * 2) / 6)
+    assert not metric._sum._total.requires_grad
     with pytest.raises(RuntimeError, match=r"one number per batch, got a tensor of shape \(2,\)"):
         metric.update(torch.ones(2), 1)
     assert metric.get_accumulated_value() == pytest.approx((3.0 * 3 + 6.0 * 1 + 1.5 * 2) / 6)  # nothing lost
+
+    # a training loss's graph is not kept (it would hold activations when backward has not run yet)
+    metric.reset()
+    first = w * 3
+    gone = weakref.ref(first)
+    metric.update(first, 1)
+    del first
+    assert gone() is None
+    for _ in range(metric._sum.fold_every - 1):  # what is kept is let go at each fold
+        metric.update(w * 1, 1)
+    assert metric._sum._values == []
+    expected = (4.5 + 1.5 * (metric._sum.fold_every - 1)) / metric._sum.fold_every
+    assert metric.get_accumulated_value() == pytest.approx(expected)
 
 
 def test_loss_metric_folds_into_float64_so_a_long_epoch_keeps_its_precision(monkeypatch):
@@ -186,6 +202,18 @@ def test_lr_scheduler_hook_steps_per_update_and_stores_lr():
                 hooks=[LRSchedulerHook(sched2, by_epoch=True, store_lr_in_state=False)])
     assert sched2.last_epoch == 1  # one more epoch ran: one step
     assert "LR" not in trainer.states["metrics"]["train"]
+
+
+def test_per_epoch_schedule_steps_once_per_epoch_when_max_steps_cuts_an_epoch_short():
+    engine, _ = make_engine(make_model())
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    trainer = Trainer(engine)
+    hooks = [LRSchedulerHook(sched, by_epoch=True)]
+    trainer.fit(make_batches(4), max_steps=3, hooks=hooks)  # stops 3 batches into epoch 0
+    assert trainer.state.batch_idx == 3 and sched.last_epoch == 0  # the epoch did not end: no step
+    trainer.fit(make_batches(4), epochs=2, hooks=hooks)  # finishes epoch 0, then runs epoch 1
+    assert trainer.cur_epoch == 2 and sched.last_epoch == 2  # one step per finished epoch
+    assert trainer.state.lr == pytest.approx(0.1 * 0.5 ** 2)
 
 
 def test_log_metric_by_epoch_hook_lines_and_interval():

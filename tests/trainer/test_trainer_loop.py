@@ -158,6 +158,28 @@ def test_subclass_without_super_init_still_works():
     assert hook.priority == 10 and hook.epochs == 2
 
 
+def test_skipped_events_are_not_called_and_are_read_at_each_fit():
+    class Partial(Recorder):
+        def __init__(self, skip):
+            super().__init__()
+            self.skip = skip
+
+        @property
+        def skipped_events(self):
+            return self.skip
+
+    hook = Partial(("after_train_iter", "before_forward"))
+    engine, _ = make_engine(make_model())
+    trainer = Trainer(engine)
+    trainer.fit(make_batches(2), epochs=1, hooks=[hook])
+    assert "before_train_iter" in hook.calls and "after_train_iter" not in hook.calls
+    assert "before_forward" not in hook.calls
+    hook.calls.clear()
+    hook.skip = ()
+    trainer.fit(make_batches(2), epochs=2, hooks=[hook])
+    assert hook.calls.count("after_train_iter") == 2 and hook.calls.count("before_forward") == 2
+
+
 def test_bad_hooks_get_clear_errors():
     engine, _ = make_engine(make_model())
     trainer = Trainer(engine)

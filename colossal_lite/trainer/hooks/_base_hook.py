@@ -18,6 +18,10 @@ class BaseHook:
     """
 
     priority: int = 10
+    #: Event names this hook's methods are not to be called for, read when the hooks are attached (at each
+    #: ``fit``/``evaluate``): a hook whose options leave an overridden method idle lists it here (or makes this
+    #: a property) so the trainer does not call it every iteration.
+    skipped_events: tuple = ()
 
     def __init__(self, priority: Optional[int] = None) -> None:
         if priority is not None:

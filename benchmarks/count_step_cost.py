@@ -1,0 +1,146 @@
+"""Per-micro-step work of the engine and the Trainer against the hand-written loop, counted, not timed.
+
+``bench_engine.py`` times the contestants; on a shared machine its figures move by tens of us between
+processes (heap layout, neighbours' use of the shared cache). This script counts instead: it runs the same
+contestants (same workload, same hooks, progress on) under valgrind's callgrind with a cache model and
+reports, per micro-step, the instructions executed (Ir), the level-1 instruction and data cache misses and
+the misses of a 2 MiB last-level cache (standing in for the L2 that the model's kernels flush between two
+steps). Counts repeat within about 0.5 % of the hand loop's total (a few thousand instructions per
+micro-step), so a change of the Trainer's overhead shows up in one run.
+
+    python benchmarks/count_step_cost.py [--steps 200] [--width 128]
+
+It needs valgrind, a C compiler and valgrind's ``callgrind.h`` (it builds a 2-function library that
+switches counting on and off around each contestant). One run takes 2-3 minutes at width 128. The
+estimate ``cycles ~ Ir + 12 x L1 misses + 40 x LL misses`` is a rough guide to what the counts cost.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_TOGGLE_C = r"""
+#include <valgrind/callgrind.h>
+void count_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_TOGGLE_COLLECT; }
+void count_stop(const char *name) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_DUMP_STATS_AT(name); CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+_INNER = "COLOSSAL_LITE_COUNT_INNER"  # set in the process valgrind runs: it holds the toggle library's path
+CONTESTANTS = ("hand", "hand+", "engine", "trainer")
+EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
+
+
+def _inner(steps: int, width: int) -> None:
+    """Under valgrind: warm every contestant up, then count each over ``steps`` micro-steps."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    import bench_engine as be
+
+    lib = ctypes.CDLL(os.environ[_INNER])
+    torch.set_num_threads(1)
+    w = be.Workload(in_features=width, hidden=width)
+    steps_by_name, trainer, hook_list = be.build_shared(w, steps)
+    batches = w.batches()
+    loader = [batches[i % len(batches)] for i in range(steps)]
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        trainer.fit(loader, epochs=1, hooks=hook_list, display_progress=True)  # warm-up
+        for name in ("hand", "hand+", "engine"):
+            for batch in loader:
+                steps_by_name[name](batch)
+        for name in CONTESTANTS:
+            if name == "trainer":
+                lib.count_start()
+                trainer.fit(loader, epochs=trainer.cur_epoch + 1, hooks=hook_list, display_progress=True)
+                lib.count_stop(b"trainer")
+            else:
+                step = steps_by_name[name]
+                lib.count_start()
+                for batch in loader:
+                    step(batch)
+                lib.count_stop(name.encode())
+
+
+def _need(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        raise SystemExit(f"count_step_cost.py needs {tool} on PATH (apt install valgrind gcc); "
+                         f"bench_engine.py measures time without it")
+    return path
+
+
+def _read_dumps(folder: str) -> Dict[str, List[int]]:
+    counts = {}
+    for path in glob.glob(os.path.join(folder, "callgrind.out.*")):
+        name, totals = None, None
+        with open(path) as f:
+            for line in f:
+                if line.startswith("desc: Trigger: Client Request: "):
+                    name = line.split(": ", 3)[-1].strip()
+                elif line.startswith("totals:"):
+                    totals = [int(v) for v in line.split()[1:]]
+        if name in CONTESTANTS and totals:
+            counts[name] = totals
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="micro-steps counted per contestant")
+    parser.add_argument("--width", type=int, default=128, help="features of the MLP (512 is bench_engine's; slow here)")
+    args = parser.parse_args()
+    if _INNER in os.environ:
+        _inner(args.steps, args.width)
+        return
+    if args.steps < 20 or args.steps % 20:
+        parser.error("--steps must be a multiple of 20 (the hand+ loop prints every tenth of its epoch)")
+    valgrind, cc = _need("valgrind"), _need("cc")
+    with tempfile.TemporaryDirectory(prefix="count_step_cost_") as tmp:
+        source, lib = os.path.join(tmp, "toggle.c"), os.path.join(tmp, "libtoggle.so")
+        with open(source, "w") as f:
+            f.write(_TOGGLE_C)
+        built = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", lib, source], capture_output=True, text=True)
+        if built.returncode != 0:
+            raise SystemExit(f"could not build the counting switch (is valgrind's callgrind.h installed?):\n"
+                             f"{built.stderr}")
+        env = dict(os.environ, **{_INNER: lib, "PYTHONHASHSEED": "0"})
+        cmd = [valgrind, "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no", "--cache-sim=yes",
+               "--I1=32768,8,64", "--D1=49152,12,64", "--LL=2097152,16,64",
+               f"--callgrind-out-file={os.path.join(tmp, 'callgrind.out.%p')}",
+               os.path.realpath(sys.executable), os.path.abspath(__file__), "--steps", str(args.steps),
+               "--width", str(args.width)]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        counts = _read_dumps(tmp)
+        if run.returncode != 0 or set(counts) != set(CONTESTANTS):
+            raise SystemExit(f"the counted run failed (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    n = args.steps
+    rows = {}
+    for name, totals in counts.items():
+        c = dict(zip(EVENTS, totals))
+        l1 = c["I1mr"] + c["D1mr"] + c["D1mw"]
+        ll = c["ILmr"] + c["DLmr"] + c["DLmw"]
+        rows[name] = (c["Ir"] / n, l1 / n, ll / n, (c["Ir"] + 12 * l1 + 40 * ll) / n)
+    print(f"workload: MLP {args.width}->{args.width}->10, batch 64, accumulation 2, clip 1; {n} micro-steps per "
+          f"contestant, counted by callgrind (L1 32/48 KiB, LL 2 MiB)")
+    print(f"{'':>8}  {'Ir':>10} {'L1 miss':>9} {'LL miss':>8} {'~cycles':>10}   per micro-step")
+    base = rows["hand"]
+    for name in CONTESTANTS:
+        r = rows[name]
+        line = f"{name:>8}  {r[0]:10.0f} {r[1]:9.0f} {r[2]:8.0f} {r[3]:10.0f}"
+        if name != "hand":
+            line += "   vs hand: " + " ".join(f"{a - b:+.0f}" for a, b in zip(r, base))
+        print(line)
+    t, hp = rows["trainer"], rows["hand+"]
+    print("trainer vs hand+: " + " ".join(f"{a - b:+.0f}" for a, b in zip(t, hp)) + " (Ir, L1, LL, ~cycles)")
+
+
+if __name__ == "__main__":
+    main()
