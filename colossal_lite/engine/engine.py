@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterable, Optional
 import torch
 from torch import nn
 
-from ..amp.precision import FP32Precision
+from ..amp.precision import NULL_CONTEXT, FP32Precision
 from .accumulation import AccumulationWindow, rescale_grads_
 from .schedule import NonPipelineSchedule
 from .strategy import SingleProcess
@@ -163,8 +163,12 @@ class Engine:
         if last:
             self.precision.backward(loss)
         else:
-            with self.strategy.no_sync(self._model):
+            no_sync = self.strategy.no_sync(self._model)
+            if no_sync is NULL_CONTEXT:  # nothing syncs in backward (one process, all-reduce at step)
                 self.precision.backward(loss)
+            else:
+                with no_sync:
+                    self.precision.backward(loss)
         self.window.end_backward()
 
     def _weigh_by_tokens(self, loss, num_tokens):

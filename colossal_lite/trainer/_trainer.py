@@ -218,6 +218,7 @@ class Trainer:
         self._h = _Handlers()
         self._step_from_epoch = False
         self._pending_hook_states: Optional[Dict[str, Any]] = None
+        self._pending_metric_states: Optional[Dict[str, Any]] = None  # train metrics' sums of a resumed epoch
         self._saved_engine_events = None
         self._checkpoints: Optional[CheckpointSession] = None  # checkpoints of the running fit
 
@@ -323,6 +324,7 @@ class Trainer:
             self._engine.event_sink, self._engine.measure_grad_norm = self._saved_engine_events
             self._saved_engine_events = None
         self._run_timer = self._timer if self._timer is not None else _NULL_TIMER
+        self._pending_metric_states = None
         st = self.state
         st.phase = None
         st.fitting = False
@@ -427,6 +429,7 @@ class Trainer:
             self._checkpoints.active else None
         preempted = False
         self.fire(Event.BEFORE_TRAIN_EPOCH)
+        self._continue_metrics(skip)
         timer.start("Train-epoch")
         train_iter, return_output_label = self._train_iter, run.return_output_label
         advance = None if progress is NO_PROGRESS else progress.advance
@@ -453,6 +456,24 @@ class Trainer:
             return
         self.fire(Event.AFTER_TRAIN_EPOCH)
         timer.reset("Train-epoch")
+
+    def _continue_metrics(self, skip: int) -> None:
+        """Resumed inside an epoch: the train metrics (just reset) continue the sums the checkpoint saved."""
+        pending, self._pending_metric_states = self._pending_metric_states, None
+        if not pending or not skip:
+            return
+        for name, metric in self.states["metrics"]["train"].items():
+            if name in pending and hasattr(metric, "load_partial_state"):
+                metric.load_partial_state(pending[name])
+
+    def metric_partial_states(self) -> Dict[str, Any]:
+        """This rank's ``partial_state()`` of each train metric that has one (for a checkpoint)."""
+        states = {}
+        for name, metric in self.states["metrics"]["train"].items():
+            state = metric.partial_state() if hasattr(metric, "partial_state") else None
+            if state is not None:
+                states[name] = state
+        return states
 
     def _train_iter(self, data_iter, return_output_label: bool) -> None:
         """One micro-batch: the engine loop's steps with the iteration events between them.

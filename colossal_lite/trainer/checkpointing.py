@@ -190,7 +190,8 @@ def trainer_checkpoint_state(trainer, train_loader=None) -> Tuple[Dict[str, Any]
     """
     from .._version import __version__
 
-    rank_state: Dict[str, Any] = {"rng": capture_rng_state(), "data": _loader_state(train_loader), "hooks": {}}
+    rank_state: Dict[str, Any] = {"rng": capture_rng_state(), "data": _loader_state(train_loader), "hooks": {},
+                                  "metrics": trainer.metric_partial_states()}
     engine = trainer.engine
     sharded = engine.sharded_state_dict() if engine.shards_state else None
     shared: Dict[str, Any] = {
@@ -323,6 +324,8 @@ def load_trainer_checkpoint(trainer, manager: CheckpointManager, which: Union[st
         load = getattr(train_loader, "load_state_dict", None)
         if data is not None and callable(load) and saved_world in (None, _world()):
             load(data)  # the sampler starts after the samples already seen; nothing is loaded to skip them
+        if saved_world in (None, _world()):  # this rank's sums of the epoch so far (used when it resumes inside one)
+            trainer._pending_metric_states = rank_state.get("metrics") or None
         if rank_state.get("rng") is not None:
             restore_rng_state(rank_state["rng"])
     return path

@@ -227,8 +227,10 @@ TWO_RANKS = COMMON + textwrap.dedent("""
         torch.manual_seed(1)
         model, engine, loader, sched = build(64, 2)  # 16 batches per rank, 8 steps per epoch
         hooks = [LossHook(), LRSchedulerHook(sched, by_epoch=False), SignalRank1(at), SaveCheckpointHook(1, folder)]
-        Trainer(engine).fit(loader, epochs=2, hooks=hooks, resume_from=resume)
-        return weights(model)
+        trainer = Trainer(engine)
+        trainer.fit(loader, epochs=2, hooks=hooks, resume_from=resume)
+        loss = trainer.states["metrics"]["train"]["Loss"].get_accumulated_value()  # both ranks: a collective
+        return dict(weights(model), train_loss_of_last_epoch=loss)
 
     if attempt == 0:  # the uninterrupted run, on the same 2 ranks
         reference = train(os.path.join(out, "reference"))
@@ -262,6 +264,8 @@ def test_two_ranks_stop_together_when_one_is_signalled_and_torchrun_restarts_the
     final = json.loads((tmp_path / "final.json").read_text())
     reference = json.loads((tmp_path / "reference.json").read_text())
     assert final.keys() == reference.keys()
+    # epoch 1 resumed at its 6th batch on each rank: its loss still covers all its batches on both ranks
+    assert final.pop("train_loss_of_last_epoch") == pytest.approx(reference.pop("train_loss_of_last_epoch"), rel=1e-12)
     for name in reference:
         assert torch.equal(torch.tensor(final[name]), torch.tensor(reference[name])), name
     assert Path(tmp_path / "ck" / "last").read_text().strip() == "epoch1-step16"

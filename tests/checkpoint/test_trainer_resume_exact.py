@@ -119,7 +119,13 @@ def test_resume_from_any_step_or_epoch_boundary_equals_the_uninterrupted_run(tmp
         resumed, _, resumed_trainer, _ = train(spec["config"], ck=tmp_path / f"again-{folder.name}", resume=folder, **opts)
         assert_same(resumed, want, f"resumed from {folder.name} ({progress})")
         assert resumed_trainer.cur_step == ref_trainer.cur_step
+        # the last epoch's loss covers the whole epoch, also when the run resumed inside it
+        assert last_train_loss(resumed_trainer) == pytest.approx(last_train_loss(ref_trainer), rel=1e-12), folder.name
     assert kinds == {"between epochs", "mid-epoch"}
+
+
+def last_train_loss(trainer):
+    return trainer.states["metrics"]["train"]["Loss"].get_accumulated_value()
 
 
 class SaveInsideWindow(BaseHook):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -81,6 +81,11 @@ class _RunningSum:
                 part = sum(torch.stack(group).sum(dtype=wide) * weight for weight, group in groups.items())
         self._total = part if self._total is None else self._total + part
 
+    def start_from(self, total: torch.Tensor, device: torch.device) -> None:
+        """Forget the updates so far; the sum continues from ``total`` (a saved ``value``), on ``device``."""
+        self._values, self._weights = [], []
+        self._total = total.detach().to(device=device, dtype=_wide_dtype(device)).reshape(())
+
     def value(self, device: torch.device) -> torch.Tensor:
         """The sum so far, 0-dim float64 (float32 on MPS), on the updates' device (``device`` if none)."""
         self._fold()
@@ -115,6 +120,16 @@ class Metric:
     def get_last_step_value(self) -> Any:
         """``last_step_value()`` as a Python number (reads the device)."""
         return to_number(self.last_step_value())
+
+    def partial_state(self) -> Optional[Dict[str, Any]]:
+        """This rank's sums of the epoch so far, for a checkpoint taken inside an epoch (None: not resumable).
+
+        Reads the device (at a checkpoint, not per step). A run resumed inside that epoch continues the sums
+        (``load_partial_state``), so its epoch value is the uninterrupted run's."""
+        return None
+
+    def load_partial_state(self, state: Dict[str, Any]) -> None:
+        """Continue the epoch from ``partial_state()``'s result."""
 
     def get_accumulated_value(self) -> float:
         """The epoch value reduced over the data-parallel ranks (cached until the next update or reset)."""
@@ -159,6 +174,14 @@ class LossMetric(Metric):
 
     def last_step_value(self):
         return self._last
+
+    def partial_state(self) -> Dict[str, Any]:
+        return {"sum": self._sum.value(self.device).cpu(), "count": self._count}
+
+    def load_partial_state(self, state: Dict[str, Any]) -> None:
+        self.reset()
+        self._sum.start_from(state["sum"], self.device)
+        self._count = int(state["count"])
 
     def _compute_accumulated(self) -> float:
         total = self._sum.value(self.device)
@@ -212,6 +235,14 @@ class AccuracyMetric(Metric):
         if self._last_correct is None or not self._last_total:
             return None
         return self._last_correct / self._last_total
+
+    def partial_state(self) -> Dict[str, Any]:
+        return {"correct": self._correct.value(self.device).cpu(), "total": self._total}
+
+    def load_partial_state(self, state: Dict[str, Any]) -> None:
+        self.reset()
+        self._correct.start_from(state["correct"], self.device)
+        self._total = int(state["total"])
 
     def _compute_accumulated(self) -> float:
         correct = self._correct.value(self.device)
