@@ -264,6 +264,18 @@ def test_tensorboard_hook_writes_readable_scalars(tmp_path):
     assert test[-1].value == pytest.approx(logged, rel=1e-4)
 
 
+def test_tensorboard_step_series_takes_one_number_per_step_and_names_a_metric_that_gives_more():
+    from colossal_lite.trainer.hooks._log_hook import _StepSeries
+
+    series = _StepSeries(4, "Margin")
+    series.add(torch.tensor([0.5]), 1)  # shape (1,): one number
+    series.add(torch.tensor(0.25, requires_grad=True) * 2, 2)
+    series.add(3.0, 3)
+    assert series.drain() == [(1, 0.5), (2, 0.5), (3, 3.0)]
+    with pytest.raises(ValueError, match=r"train metric 'Margin' gave a step value of shape \(3,\)"):
+        series.add(torch.ones(3), 4)
+
+
 def test_tensorboard_hook_without_tensorboard_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ImportError, match=r"TensorboardHook needs the tensorboard package, which is not installed: "

@@ -96,8 +96,9 @@ class _StepSeries:
     is kept as it is. ``drain`` reads the buffer with one device transfer.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, name: str = "metric"):
         self.capacity = capacity
+        self.name = name
         self.buffer: Optional[torch.Tensor] = None
         self.points: List[Tuple[int, Optional[float]]] = []  # (step, number or None: in the buffer)
 
@@ -108,7 +109,13 @@ class _StepSeries:
                 self.buffer = torch.empty(self.capacity, dtype=torch.float32, device=value.device)
             if value.requires_grad:
                 value = value.detach()
-            self.buffer[len(self.points)].copy_(value.reshape(()) if value.dim() else value)
+            if value.dim():
+                if value.numel() != 1:
+                    raise ValueError(f"TensorboardHook: train metric {self.name!r} gave a step value of shape "
+                                     f"{tuple(value.shape)}; a per-step value must be one number (or set the "
+                                     f"metric's epoch_only so it is written once per epoch)")
+                value = value.reshape(())
+            self.buffer[len(self.points)].copy_(value)
             self.points.append((step, None))
         else:
             self.points.append((step, to_number(value)))
@@ -173,7 +180,7 @@ class TensorboardHook(BaseHook):
                 if value is not None:
                     series = self._series.get(name)
                     if series is None:
-                        series = self._series[name] = _StepSeries(self.flush_every)
+                        series = self._series[name] = _StepSeries(self.flush_every, name)
                     full = series.add(value, step) or full
         if full:
             self._flush_pending()
