@@ -326,6 +326,10 @@ def load_trainer_checkpoint(trainer, manager: CheckpointManager, which: Union[st
             load(data)  # the sampler starts after the samples already seen; nothing is loaded to skip them
         if saved_world in (None, _world()):  # this rank's sums of the epoch so far (used when it resumes inside one)
             trainer._pending_metric_states = rank_state.get("metrics") or None
+        elif rank_state.get("metrics") and st.batch_idx:
+            warnings.warn(f"checkpoint {path} was written by {saved_world} ranks and this run has {_world()}: the "
+                          f"train metrics of the resumed epoch ({', '.join(sorted(rank_state['metrics']))}) count only "
+                          f"its batches from batch {st.batch_idx} on", stacklevel=2)
         if rank_state.get("rng") is not None:
             restore_rng_state(rank_state["rng"])
     return path

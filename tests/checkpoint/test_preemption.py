@@ -269,3 +269,34 @@ def test_two_ranks_stop_together_when_one_is_signalled_and_torchrun_restarts_the
     for name in reference:
         assert torch.equal(torch.tensor(final[name]), torch.tensor(reference[name])), name
     assert Path(tmp_path / "ck" / "last").read_text().strip() == "epoch1-step16"
+
+
+SAVE_TWO_RANKS = COMMON + textwrap.dedent("""
+    colossal_lite.launch_from_torch(config={}, seed=5, verbose=False)
+    model, engine, loader, sched = build(64, 2)  # 16 batches per rank
+    Trainer(engine).fit(loader, epochs=1, hooks=[LossHook(), SaveCheckpointHook("5ba", sys.argv[1])])
+    gpc.destroy()
+""")
+
+
+def test_resuming_a_two_rank_checkpoint_on_one_rank_warns_that_the_epochs_train_metrics_start_there(tmp_path):
+    from dist_helpers import run_torchrun
+
+    script = tmp_path / "save.py"
+    script.write_text(SAVE_TWO_RANKS)
+    run_torchrun(script, [tmp_path / "ck"], timeout=90)
+    mid = tmp_path / "ck" / "epoch0-step5"
+    assert sorted(p.name for p in mid.iterdir()) == ["meta.json", "rank0.pt", "rank1.pt", "shared.pt"]
+    namespace = {}
+    exec(compile(COMMON, "common", "exec"), namespace)
+    gpc.destroy()
+    colossal_lite.launch_from_torch(config={}, seed=5, verbose=False)
+    try:
+        model, engine, loader, sched = namespace["build"](64, 2)
+        trainer = Trainer(engine)
+        with pytest.warns(UserWarning, match=r"written by 2 ranks and this run has 1: the train metrics of the "
+                                             r"resumed epoch \(Loss\) count only its batches from batch 5 on"):
+            trainer.fit(loader, epochs=1, hooks=[LossHook()], resume_from=mid)
+        assert trainer.cur_step == 32  # one rank: the whole epoch's 32 batches
+    finally:
+        gpc.destroy()
