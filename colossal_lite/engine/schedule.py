@@ -114,9 +114,8 @@ class NonPipelineSchedule:
             if type(a) is torch.Tensor and type(b) is torch.Tensor and a.device == device and b.device == device:
                 self._batch, self._size = batch, _UNKNOWN
                 return batch, a, b
-        batch = self.load_batch(iter((batch,)), device)
-        if self.data_process_func is None and type(batch) is tuple and len(batch) == 2:
-            return batch, batch[0], batch[1]
+        batch = move_to_device(batch, device)
+        self._batch, self._size = batch, _UNKNOWN
         data, label = self.split(batch)
         return batch, data, label
 

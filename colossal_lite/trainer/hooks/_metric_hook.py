@@ -145,11 +145,37 @@ class Metric:
         raise NotImplementedError
 
 
-class LossMetric(Metric):
+class _RatioMetric(Metric):
+    """An epoch value ``sum / count``: ``_sum`` a ``_RunningSum`` on the device, ``_count`` a host int.
+
+    Resumable inside an epoch (``partial_state``); read over all ranks with one all-reduce.
+    """
+
+    def reset(self) -> None:
+        super().reset()
+        self._sum = _RunningSum()
+        self._count = 0
+
+    def partial_state(self) -> Dict[str, Any]:
+        return {"sum": self._sum.value(self.device).cpu(), "count": self._count}
+
+    def load_partial_state(self, state: Dict[str, Any]) -> None:
+        self.reset()
+        self._sum.start_from(state["sum"], self.device)
+        self._count = int(state["count"])
+
+    def _compute_accumulated(self) -> float:
+        total = self._sum.value(self.device)
+        buf = torch.stack([total, torch.tensor(float(self._count), dtype=total.dtype, device=total.device)])
+        value_sum, count = all_reduce_sum_(buf).tolist()
+        return value_sum / count if count else float("nan")
+
+
+class LossMetric(_RatioMetric):
     """Mean loss per sample over the epoch (each batch's mean loss weighted by its size), over all ranks.
 
     An update keeps the loss tensor in a ``_RunningSum`` (summed on the device every few updates): no kernel
-    and no host sync per step. The sum is all-reduced once, when the epoch value is read.
+    and no host sync per step. The sum of loss * samples is all-reduced once, when the epoch value is read.
     """
 
     def __init__(self, epoch_only: bool, device: Optional[torch.device] = None):
@@ -158,8 +184,6 @@ class LossMetric(Metric):
 
     def reset(self) -> None:
         super().reset()
-        self._sum = _RunningSum()  # loss * samples, on the loss's device
-        self._count = 0  # samples
         self._last: Optional[torch.Tensor] = None
 
     def update(self, loss: torch.Tensor, num_samples: int = 1) -> None:
@@ -175,29 +199,15 @@ class LossMetric(Metric):
     def last_step_value(self):
         return self._last
 
-    def partial_state(self) -> Dict[str, Any]:
-        return {"sum": self._sum.value(self.device).cpu(), "count": self._count}
-
-    def load_partial_state(self, state: Dict[str, Any]) -> None:
-        self.reset()
-        self._sum.start_from(state["sum"], self.device)
-        self._count = int(state["count"])
-
-    def _compute_accumulated(self) -> float:
-        total = self._sum.value(self.device)
-        buf = torch.stack([total, torch.tensor(float(self._count), dtype=total.dtype, device=total.device)])
-        loss_sum, count = all_reduce_sum_(buf).tolist()
-        return loss_sum / count if count else float("nan")
-
     @staticmethod
     def is_better(a, b) -> bool:
         return a < b
 
 
-class AccuracyMetric(Metric):
+class AccuracyMetric(_RatioMetric):
     """Fraction of correct predictions; ``accuracy_func(logits, targets)`` returns the number correct.
 
-    The counts are added in place to one running sum on the device (no host sync per batch).
+    The counts are kept in a ``_RunningSum`` on the device (no kernel and no host sync per batch).
     """
 
     def __init__(self, epoch_only: bool, accuracy_func: Callable, device: Optional[torch.device] = None):
@@ -209,9 +219,7 @@ class AccuracyMetric(Metric):
         self.reset()
 
     def reset(self) -> None:
-        super().reset()
-        self._correct = _RunningSum()  # predictions right, on the device
-        self._total = 0
+        super().reset()  # _sum: predictions right; _count: predictions made
         self._last_correct: Optional[torch.Tensor] = None
         self._last_total = 0
 
@@ -226,8 +234,8 @@ class AccuracyMetric(Metric):
         if correct.dim() or correct.requires_grad:  # (0-dim and without a graph: as it is)
             correct = _scalar(correct, "AccuracyMetric: accuracy_func's result (the number correct)")
         n = int(targets.shape[0]) if isinstance(targets, torch.Tensor) and targets.dim() > 0 else int(batch_size or 1)
-        self._correct.add(correct)
-        self._total += n
+        self._sum.add(correct)
+        self._count += n
         self._last_correct, self._last_total = correct, n
         self._cached = None
 
@@ -235,20 +243,6 @@ class AccuracyMetric(Metric):
         if self._last_correct is None or not self._last_total:
             return None
         return self._last_correct / self._last_total
-
-    def partial_state(self) -> Dict[str, Any]:
-        return {"correct": self._correct.value(self.device).cpu(), "total": self._total}
-
-    def load_partial_state(self, state: Dict[str, Any]) -> None:
-        self.reset()
-        self._correct.start_from(state["correct"], self.device)
-        self._total = int(state["total"])
-
-    def _compute_accumulated(self) -> float:
-        correct = self._correct.value(self.device)
-        buf = torch.stack([correct, torch.tensor(float(self._total), dtype=correct.dtype, device=correct.device)])
-        right, total = all_reduce_sum_(buf).tolist()
-        return right / total if total else float("nan")
 
     @staticmethod
     def is_better(a, b) -> bool:
@@ -436,9 +430,8 @@ class LossHook(MetricHook):
         self.train_loss.reset()
 
     def after_train_iter(self, trainer, output, label, loss):
-        if loss is not None:  # (_samples written out: this runs every micro-batch)
-            n = label.shape[0] if type(label) is torch.Tensor and label.ndim else _num_samples(trainer)
-            self.train_loss.update(loss, n)
+        if loss is not None:
+            self.train_loss.update(loss, _samples(trainer, label))
 
     def before_test_epoch(self, trainer):
         self.test_loss.reset()
