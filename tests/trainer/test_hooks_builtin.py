@@ -88,7 +88,7 @@ def test_loss_metric_accumulates_on_the_device_and_caches_until_update():
     assert metric.get_accumulated_value() != metric.get_accumulated_value()  # NaN: nothing measured
 
 
-def test_loss_metric_sums_weighted_losses_and_keeps_no_graph_past_a_fold():
+def test_loss_metric_sums_weighted_losses_and_keeps_no_graph():
     import weakref
 
     metric = LossMetric(epoch_only=False)
@@ -110,21 +110,50 @@ def test_loss_metric_sums_weighted_losses_and_keeps_no_graph_past_a_fold():
     metric.update(first, 1)
     del first
     assert gone() is None
-    for _ in range(metric._sum.fold_every - 1):  # what is kept is let go at each fold
-        metric.update(w * 1, 1)
-    assert metric._sum._values == []
-    expected = (4.5 + 1.5 * (metric._sum.fold_every - 1)) / metric._sum.fold_every
-    assert metric.get_accumulated_value() == pytest.approx(expected)
+    metric.update(w * 1, 1)
+    assert metric.get_accumulated_value() == pytest.approx((4.5 + 1.5) / 2)
 
 
-def test_loss_metric_folds_into_float64_so_a_long_epoch_keeps_its_precision(monkeypatch):
-    monkeypatch.setattr("colossal_lite.trainer.hooks._metric_hook._RunningSum.fold_every", 100)
+def test_metrics_keep_no_tensor_of_an_earlier_step():
+    """Only the last step's value stays referenced: small tensors kept alive across steps scatter over the
+    CPU heap between the step's large buffers and make glibc trim and regrow it (page faults every step)."""
+    import weakref
+
+    loss_metric = LossMetric(epoch_only=False)
+    acc_metric = AccuracyMetric(epoch_only=False, accuracy_func=lambda logits, y: (logits.argmax(-1) == y).sum())
+    seen = []
+    for step in range(5):
+        loss = torch.tensor(0.5 + step)
+        logits, labels = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
+        loss_metric.update(loss, 4)
+        acc_metric.update(logits, labels)
+        seen.append((weakref.ref(loss), weakref.ref(acc_metric._last_correct)))
+        del loss, logits, labels
+    assert [loss() is None for loss, _ in seen] == [True] * 4 + [False]
+    assert [correct() is None for _, correct in seen] == [True] * 4 + [False]
+    assert loss_metric.get_accumulated_value() == pytest.approx(2.5)
+
+
+def test_loss_metric_sums_in_float64_so_a_long_epoch_keeps_its_precision():
     metric = LossMetric(epoch_only=False)
     loss = torch.tensor(0.1)
     for _ in range(100_000):  # float32 alone drifts by ~1e-4 relative over this many adds
         metric.update(loss, 7)
     assert metric._sum.value(metric.device).dtype == torch.float64
     assert metric.get_accumulated_value() == pytest.approx(float(torch.tensor(0.1)), rel=1e-6)
+
+
+def test_metric_partial_state_is_a_copy_the_running_sum_does_not_change():
+    metric = LossMetric(epoch_only=False)
+    metric.update(torch.tensor(2.0), 1)
+    state = metric.partial_state()
+    metric.update(torch.tensor(4.0), 1)
+    assert float(state["sum"]) == 2.0 and state["count"] == 1
+    resumed = LossMetric(epoch_only=False)
+    resumed.load_partial_state(state)
+    resumed.update(torch.tensor(6.0), 1)
+    assert float(state["sum"]) == 2.0  # loading did not alias the saved tensor either
+    assert resumed.get_accumulated_value() == pytest.approx(4.0)
 
 
 def test_accuracy_metric_counts_in_place_and_rejects_a_per_sample_result():

@@ -39,58 +39,33 @@ def _wide_dtype(device: torch.device) -> torch.dtype:
 
 
 class _RunningSum:
-    """A weighted sum of 0-dim device tensors that launches no kernel per update (and never syncs).
+    """A weighted sum of 0-dim device tensors, kept in float64 (float32 on MPS) and updated in place.
 
-    ``add(value, weight)`` only keeps a reference to ``value``. Every ``fold_every`` updates, and when the
-    sum is read, the kept values are stacked and summed in float64 (float32 on MPS), times their weight, into
-    one total: a few small kernels per ``fold_every`` updates instead of one per update. On the CPU a small
-    kernel run between two large ones costs about 10 us with cold caches, as much as the rest of the
-    Trainer's per-step bookkeeping. ``fold_every`` stays small: hundreds of small live tensors fragment the
-    CPU heap (about 50 us per step on bench_engine when up to 256 were kept).
+    ``add(value, weight)`` is one small in-place kernel: no allocation, no host sync, and nothing from the
+    step is kept alive. (Keeping each step's value to sum them every few dozen steps saves that kernel, but
+    on the CPU those small live tensors, placed between the step's large buffers, made glibc trim and regrow
+    the heap again and again: 15-20 page faults per step, several times the kernel's cost, on bench_engine.)
 
-    Values are expected detached (the fold runs under ``no_grad`` anyway).
+    Values must not require grad: the metrics detach a training loss first.
     """
 
-    fold_every = 32
-
     def __init__(self):
-        self._values: list = []
-        self._weights: list = []
         self._total: Optional[torch.Tensor] = None
 
     def add(self, value: torch.Tensor, weight=1) -> None:
-        values = self._values
-        values.append(value)
-        self._weights.append(weight)
-        if len(values) >= self.fold_every:
-            self._fold()
-
-    def _fold(self) -> None:
-        values, weights = self._values, self._weights
-        if not values:
-            return
-        self._values, self._weights = [], []
-        wide = _wide_dtype(values[0].device)
-        with torch.no_grad():
-            if weights.count(weights[0]) == len(weights):  # the usual case: equal batches
-                part = torch.stack(values).sum(dtype=wide) * weights[0]
-            else:  # grouped by weight: no weight tensor to copy to the device
-                groups: dict = {}
-                for value, weight in zip(values, weights):
-                    groups.setdefault(weight, []).append(value)
-                part = sum(torch.stack(group).sum(dtype=wide) * weight for weight, group in groups.items())
-        self._total = part if self._total is None else self._total + part
+        total = self._total
+        if total is None:
+            total = self._total = torch.zeros((), dtype=_wide_dtype(value.device), device=value.device)
+        total.add_(value, alpha=weight)
 
     def start_from(self, total: torch.Tensor, device: torch.device) -> None:
         """Forget the updates so far; the sum continues from ``total`` (a saved ``value``), on ``device``."""
-        self._values, self._weights = [], []
-        self._total = total.detach().to(device=device, dtype=_wide_dtype(device)).reshape(())
+        self._total = total.detach().to(device=device, dtype=_wide_dtype(device)).reshape(()).clone()
 
     def value(self, device: torch.device) -> torch.Tensor:
-        """The sum so far, 0-dim float64 (float32 on MPS), on the updates' device (``device`` if none)."""
-        self._fold()
+        """A copy of the sum so far, 0-dim float64 (float32 on MPS), on the updates' device (``device`` if none)."""
         if self._total is not None:
-            return self._total
+            return self._total.clone()
         return torch.zeros((), dtype=_wide_dtype(device), device=device)
 
 
@@ -174,8 +149,8 @@ class _RatioMetric(Metric):
 class LossMetric(_RatioMetric):
     """Mean loss per sample over the epoch (each batch's mean loss weighted by its size), over all ranks.
 
-    An update keeps the loss tensor in a ``_RunningSum`` (summed on the device every few updates): no kernel
-    and no host sync per step. The sum of loss * samples is all-reduced once, when the epoch value is read.
+    An update adds the loss to a ``_RunningSum`` on the device (one small in-place kernel, no host sync).
+    The sum of loss * samples is all-reduced once, when the epoch value is read.
     """
 
     def __init__(self, epoch_only: bool, device: Optional[torch.device] = None):
@@ -207,7 +182,7 @@ class LossMetric(_RatioMetric):
 class AccuracyMetric(_RatioMetric):
     """Fraction of correct predictions; ``accuracy_func(logits, targets)`` returns the number correct.
 
-    The counts are kept in a ``_RunningSum`` on the device (no kernel and no host sync per batch).
+    The counts are summed in a ``_RunningSum`` on the device (no host sync per batch).
     """
 
     def __init__(self, epoch_only: bool, accuracy_func: Callable, device: Optional[torch.device] = None):
