@@ -143,17 +143,43 @@ def test_loss_metric_sums_in_float64_so_a_long_epoch_keeps_its_precision():
     assert metric.get_accumulated_value() == pytest.approx(float(torch.tensor(0.1)), rel=1e-6)
 
 
+def test_running_sum_keeps_integer_counts_exact_and_takes_a_fractional_value_after_them():
+    from colossal_lite.trainer.hooks._metric_hook import _RunningSum
+
+    counts = _RunningSum()
+    for _ in range(40):  # more than a fold
+        counts.add(torch.tensor(3))
+    assert counts._part.dtype == torch.int64 and float(counts.value(torch.device("cpu"))) == 120.0
+    counts.add(torch.tensor(0.5), 2)  # a fractional value after integer ones
+    counts.add(torch.tensor(1), 0.25)  # a fractional weight
+    assert float(counts.value(torch.device("cpu"))) == 121.25
+    with pytest.raises(RuntimeError):
+        counts.add(torch.ones(2))  # a real error still surfaces
+
+
 def test_metric_partial_state_is_a_copy_the_running_sum_does_not_change():
+    import copy
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(
+            torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
     metric = LossMetric(epoch_only=False)
-    metric.update(torch.tensor(2.0), 1)
+    for loss in (2.0,) * 20:  # a fold and a part
+        metric.update(torch.tensor(loss), 1)
     state = metric.partial_state()
+    saved = copy.deepcopy(state)
     metric.update(torch.tensor(4.0), 1)
-    assert float(state["sum"]) == 2.0 and state["count"] == 1
+    assert same(state, saved)
     resumed = LossMetric(epoch_only=False)
     resumed.load_partial_state(state)
-    resumed.update(torch.tensor(6.0), 1)
-    assert float(state["sum"]) == 2.0  # loading did not alias the saved tensor either
-    assert resumed.get_accumulated_value() == pytest.approx(4.0)
+    resumed.update(torch.tensor(4.0), 1)
+    assert same(state, saved)  # loading did not alias the saved tensors either
+    assert resumed.get_accumulated_value() == metric.get_accumulated_value() == pytest.approx(44.0 / 21)
+    older = LossMetric(epoch_only=False)  # a checkpoint that saved the sum alone (no separate part)
+    older.load_partial_state({"sum": torch.tensor(40.0, dtype=torch.float64), "count": 20})
+    older.update(torch.tensor(4.0), 1)
+    assert older.get_accumulated_value() == pytest.approx(44.0 / 21)
 
 
 def test_accuracy_metric_counts_in_place_and_rejects_a_per_sample_result():

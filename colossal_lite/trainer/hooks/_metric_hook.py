@@ -38,32 +38,77 @@ def _wide_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-class _RunningSum:
-    """A weighted sum of 0-dim device tensors, kept in float64 (float32 on MPS) and updated in place.
+def _part_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a few updates are summed in: the values' own when adding them needs no conversion."""
+    if dtype in (torch.float32, torch.float64, torch.int64):
+        return dtype
+    return torch.float32 if dtype.is_floating_point else torch.int64
 
-    ``add(value, weight)`` is one small in-place kernel: no allocation, no host sync, and nothing from the
-    step is kept alive. (Keeping each step's value to sum them every few dozen steps saves that kernel, but
-    on the CPU those small live tensors, placed between the step's large buffers, made glibc trim and regrow
-    the heap again and again: 15-20 page faults per step, several times the kernel's cost, on bench_engine.)
+
+class _RunningSum:
+    """A weighted sum of 0-dim device tensors, for an epoch: one small in-place kernel per update, no
+    allocation, no host sync, and nothing from the step kept alive.
+
+    Updates are added in place to a part in the values' dtype (float32 for a loss), and the part is added to
+    a float64 total (float32 on MPS) every ``fold_every`` updates and when read, so a long epoch keeps its
+    precision. Adding float32 straight into float64 would cost a converted copy per update (2.4x the add).
+    Keeping each step's value to sum them later costs no kernel, but on the CPU those small live tensors,
+    placed between the step's large buffers, made glibc trim and regrow the heap again and again: 15-20
+    page faults per step on bench_engine, several times the add's cost.
 
     Values must not require grad: the metrics detach a training loss first.
     """
 
+    fold_every = 16
+
     def __init__(self):
+        self._part: Optional[torch.Tensor] = None
+        self._in_part = 0
         self._total: Optional[torch.Tensor] = None
 
     def add(self, value: torch.Tensor, weight=1) -> None:
-        total = self._total
-        if total is None:
-            total = self._total = torch.zeros((), dtype=_wide_dtype(value.device), device=value.device)
-        total.add_(value, alpha=weight)
+        part = self._part
+        if part is None:
+            part = self._part = torch.zeros((), dtype=_part_dtype(value.dtype), device=value.device)
+        try:
+            part.add_(value, alpha=weight)
+        except RuntimeError:  # a fractional value or weight after integer ones: go on in float32
+            if part.is_floating_point():
+                raise
+            self._fold()
+            part = self._part = torch.zeros((), dtype=torch.float32, device=part.device)
+            part.add_(value, alpha=weight)
+        self._in_part += 1
+        if self._in_part >= self.fold_every:
+            self._fold()
 
-    def start_from(self, total: torch.Tensor, device: torch.device) -> None:
-        """Forget the updates so far; the sum continues from ``total`` (a saved ``value``), on ``device``."""
-        self._total = total.detach().to(device=device, dtype=_wide_dtype(device)).reshape(()).clone()
+    def _fold(self) -> None:
+        part = self._part
+        if part is None or not self._in_part:
+            return
+        if self._total is None:
+            self._total = torch.zeros((), dtype=_wide_dtype(part.device), device=part.device)
+        self._total.add_(part)
+        part.zero_()
+        self._in_part = 0
+
+    def state(self) -> Dict[str, Any]:
+        """The sum so far as CPU tensors: the float64 total and the part not yet added to it (kept apart, so a
+        run that continues from it adds in the same groups as one never stopped, to the last bit)."""
+        return {"sum": self._total.cpu().clone() if self._total is not None else None,
+                "part": self._part.cpu().clone() if self._part is not None else None, "in_part": self._in_part}
+
+    def load_state(self, state: Dict[str, Any], device: torch.device) -> None:
+        """Continue from ``state()`` (or from ``{'sum': total}`` alone), on ``device``."""
+        total, part = state.get("sum"), state.get("part")
+        self._total = None if total is None else \
+            total.detach().to(device=device, dtype=_wide_dtype(device)).reshape(()).clone()
+        self._part = None if part is None else part.detach().to(device=device).reshape(()).clone()
+        self._in_part = int(state.get("in_part", 0)) if part is not None else 0
 
     def value(self, device: torch.device) -> torch.Tensor:
         """A copy of the sum so far, 0-dim float64 (float32 on MPS), on the updates' device (``device`` if none)."""
+        self._fold()
         if self._total is not None:
             return self._total.clone()
         return torch.zeros((), dtype=_wide_dtype(device), device=device)
@@ -132,11 +177,11 @@ class _RatioMetric(Metric):
         self._count = 0
 
     def partial_state(self) -> Dict[str, Any]:
-        return {"sum": self._sum.value(self.device).cpu(), "count": self._count}
+        return {**self._sum.state(), "count": self._count}
 
     def load_partial_state(self, state: Dict[str, Any]) -> None:
         self.reset()
-        self._sum.start_from(state["sum"], self.device)
+        self._sum.load_state(state, self.device)
         self._count = int(state["count"])
 
     def _compute_accumulated(self) -> float:
