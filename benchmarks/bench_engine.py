@@ -344,10 +344,12 @@ def measure(args) -> Dict[str, object]:
         print(f"  {name:>8}: median {med:8.1f} us/micro-step; paired {name} - {ref}: {diff:+.1f} us "
               f"(95% CI {lo:+.1f} .. {hi:+.1f}), ratio {med / statistics.median(us[ref]):.3f}")
         result[f"{name} - {ref}"] = [diff, lo, hi]
-    faults = ", ".join(f"{name} {statistics.median(v[warm:]):.1f}" for name, v in loader.faults.items())
+    fault_medians = {name: statistics.median(v[warm:]) for name, v in loader.faults.items()}
+    faults = ", ".join(f"{name} {v:.1f}" for name, v in fault_medians.items())
     print(f"  minor page faults per micro-step (median over blocks): {faults}")
     print(f"summary: hand {statistics.median(base):.1f} us per micro-step; " + "; ".join(
         f"{k} = {v[0]:+.1f} us (95% CI {v[1]:+.1f}..{v[2]:+.1f})" for k, v in result.items() if k != BASELINE))
+    result["faults"] = fault_medians
     return result
 
 
@@ -363,7 +365,8 @@ def measure_in_processes(args) -> None:
             raise SystemExit(f"run {i + 1} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(f"run {i + 1}/{args.runs}: hand {runs[-1][BASELINE]:.1f} us; " + "; ".join(
-            f"{k} {v[0]:+.1f}" for k, v in runs[-1].items() if k != BASELINE), flush=True)
+            f"{k} {runs[-1][k][0]:+.1f}" for k in map(" - ".join, PAIRS)) + "; page faults per micro-step "
+            + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1]["faults"].items()), flush=True)
     print(f"median over {args.runs} runs (each run: median of paired block differences):")
     print(f"  hand: {statistics.median(r[BASELINE] for r in runs):.1f} us per micro-step")
     for name, ref in PAIRS:
