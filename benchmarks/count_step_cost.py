@@ -4,14 +4,19 @@
 processes (heap layout, neighbours' use of the shared cache). This script counts instead: it runs the same
 contestants (same workload, same hooks, progress on) under valgrind's callgrind with a cache model and
 reports, per micro-step, the instructions executed (Ir), the level-1 instruction and data cache misses and
-the misses of a 2 MiB last-level cache (standing in for the L2 that the model's kernels flush between two
-steps). Counts repeat within about 0.5 % of the hand loop's total (a few thousand instructions per
+the misses of a last-level cache (2 MiB by default; at bench_engine's width the model's kernels flush an L2
+of that size between two steps). Counts repeat within about 0.5 % of the hand loop's total (a few thousand instructions per
 micro-step), so a change of the Trainer's overhead shows up in one run.
 
-    python benchmarks/count_step_cost.py [--steps 200] [--width 128]
+    python benchmarks/count_step_cost.py [--steps 200] [--width 128] [--ll-kib 2048]
+
+It counts what runs in the process, not the kernel's work for it: page faults (a heap that glibc trims and
+grows again every step) cost no instruction here; ``bench_engine.py`` prints them per contestant.
+``--width 512 --ll-kib 1024 --steps 100`` counts bench_engine's own workload with a last level the size of
+this machine's L2, so the kernels flush it as they do there (about 25 minutes).
 
 It needs valgrind, a C compiler and valgrind's ``callgrind.h`` (it builds a 2-function library that
-switches counting on and off around each contestant). One run takes 2-3 minutes at width 128. The
+switches counting on and off around each contestant). One run takes about 5 minutes at width 128. The
 estimate ``cycles ~ Ir + 12 x L1 misses + 40 x LL misses`` is a rough guide to what the counts cost.
 """
 from __future__ import annotations
@@ -96,10 +101,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="micro-steps counted per contestant")
     parser.add_argument("--width", type=int, default=128, help="features of the MLP (512 is bench_engine's; slow here)")
+    parser.add_argument("--ll-kib", type=int, default=2048, help="last-level cache size of the model, KiB")
     args = parser.parse_args()
     if _INNER in os.environ:
         _inner(args.steps, args.width)
         return
+    if args.ll_kib < 64 or args.ll_kib & (args.ll_kib - 1):
+        parser.error("--ll-kib must be a power of two, at least 64")
     if args.steps < 20 or args.steps % 20:
         parser.error("--steps must be a multiple of 20 (the hand+ loop prints every tenth of its epoch)")
     valgrind, cc = _need("valgrind"), _need("cc")
@@ -113,7 +121,7 @@ def main() -> None:
                              f"{built.stderr}")
         env = dict(os.environ, **{_INNER: lib, "PYTHONHASHSEED": "0"})
         cmd = [valgrind, "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no", "--cache-sim=yes",
-               "--I1=32768,8,64", "--D1=49152,12,64", "--LL=2097152,16,64",
+               "--I1=32768,8,64", "--D1=49152,12,64", f"--LL={args.ll_kib * 1024},16,64",
                f"--callgrind-out-file={os.path.join(tmp, 'callgrind.out.%p')}",
                os.path.realpath(sys.executable), os.path.abspath(__file__), "--steps", str(args.steps),
                "--width", str(args.width)]
@@ -129,7 +137,7 @@ def main() -> None:
         ll = c["ILmr"] + c["DLmr"] + c["DLmw"]
         rows[name] = (c["Ir"] / n, l1 / n, ll / n, (c["Ir"] + 12 * l1 + 40 * ll) / n)
     print(f"workload: MLP {args.width}->{args.width}->10, batch 64, accumulation 2, clip 1; {n} micro-steps per "
-          f"contestant, counted by callgrind (L1 32/48 KiB, LL 2 MiB)")
+          f"contestant, counted by callgrind (L1 32/48 KiB, LL {args.ll_kib} KiB)")
     print(f"{'':>8}  {'Ir':>10} {'L1 miss':>9} {'LL miss':>8} {'~cycles':>10}   per micro-step")
     base = rows["hand"]
     for name in CONTESTANTS:
