@@ -320,11 +320,12 @@ def load_trainer_checkpoint(trainer, manager: CheckpointManager, which: Union[st
 
     saved_world = (shared.get("colossal_lite") or {}).get("world_size")
     if rank_state is not None:
+        same_world = saved_world in (None, _world())  # this rank's data position and sums are its own
         data = rank_state.get("data")
         load = getattr(train_loader, "load_state_dict", None)
-        if data is not None and callable(load) and saved_world in (None, _world()):
+        if data is not None and callable(load) and same_world:
             load(data)  # the sampler starts after the samples already seen; nothing is loaded to skip them
-        if saved_world in (None, _world()):  # this rank's sums of the epoch so far (used when it resumes inside one)
+        if same_world:  # this rank's sums of the epoch so far (used when it resumes inside one)
             trainer._pending_metric_states = rank_state.get("metrics") or None
         elif rank_state.get("metrics") and st.batch_idx:
             warnings.warn(f"checkpoint {path} was written by {saved_world} ranks and this run has {_world()}: the "

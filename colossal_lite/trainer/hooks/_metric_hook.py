@@ -95,15 +95,15 @@ class _RunningSum:
     def state(self) -> Dict[str, Any]:
         """The sum so far as CPU tensors: the float64 total and the part not yet added to it (kept apart, so a
         run that continues from it adds in the same groups as one never stopped, to the last bit)."""
-        return {"sum": self._total.cpu().clone() if self._total is not None else None,
-                "part": self._part.cpu().clone() if self._part is not None else None, "in_part": self._in_part}
+        return {"sum": None if self._total is None else self._total.to("cpu", copy=True),
+                "part": None if self._part is None else self._part.to("cpu", copy=True), "in_part": self._in_part}
 
     def load_state(self, state: Dict[str, Any], device: torch.device) -> None:
         """Continue from ``state()`` (or from ``{'sum': total}`` alone), on ``device``."""
         total, part = state.get("sum"), state.get("part")
         self._total = None if total is None else \
-            total.detach().to(device=device, dtype=_wide_dtype(device)).reshape(()).clone()
-        self._part = None if part is None else part.detach().to(device=device).reshape(()).clone()
+            total.detach().to(device=device, dtype=_wide_dtype(device), copy=True).reshape(())
+        self._part = None if part is None else part.detach().to(device=device, copy=True).reshape(())
         self._in_part = int(state.get("in_part", 0)) if part is not None else 0
 
     def value(self, device: torch.device) -> torch.Tensor:
