@@ -8,7 +8,7 @@ the misses of a last-level cache (2 MiB by default; at bench_engine's width the 
 of that size between two steps). Counts repeat within about 0.5 % of the hand loop's total (a few thousand instructions per
 micro-step), so a change of the Trainer's overhead shows up in one run.
 
-    python benchmarks/count_step_cost.py [--steps 200] [--width 128] [--ll-kib 2048]
+    python benchmarks/count_step_cost.py [--steps 200] [--width 128] [--ll-kib 2048] [--keep-dumps DIR]
 
 It counts what runs in the process, not the kernel's work for it: page faults (a heap that glibc trims and
 grows again every step) cost no instruction here; ``bench_engine.py`` prints them per contestant.
@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="micro-steps counted per contestant")
     parser.add_argument("--width", type=int, default=128, help="features of the MLP (512 is bench_engine's; slow here)")
     parser.add_argument("--ll-kib", type=int, default=2048, help="last-level cache size of the model, KiB")
+    parser.add_argument("--keep-dumps", metavar="DIR", help="copy callgrind's dumps (one per contestant) into DIR, "
+                                                          "for callgrind_annotate")
     args = parser.parse_args()
     if _INNER in os.environ:
         _inner(args.steps, args.width)
@@ -127,6 +129,10 @@ def main() -> None:
                "--width", str(args.width)]
         run = subprocess.run(cmd, env=env, capture_output=True, text=True)
         counts = _read_dumps(tmp)
+        if args.keep_dumps:
+            os.makedirs(args.keep_dumps, exist_ok=True)
+            for path in glob.glob(os.path.join(tmp, "callgrind.out.*")):
+                shutil.copy(path, args.keep_dumps)
         if run.returncode != 0 or set(counts) != set(CONTESTANTS):
             raise SystemExit(f"the counted run failed (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
     n = args.steps

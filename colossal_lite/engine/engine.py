@@ -12,10 +12,15 @@ from typing import Any, Dict, Iterable, Optional
 import torch
 from torch import nn
 
-from ..amp.precision import NULL_CONTEXT, FP32Precision
+from ..amp.precision import FP32Precision
 from .accumulation import AccumulationWindow, rescale_grads_
 from .schedule import NonPipelineSchedule
-from .strategy import SingleProcess
+from .strategy import SingleProcess, clip_grad_norm_
+
+# what Engine.step calls directly when the strategy does not change them (saves a Python call per update)
+_NO_REDUCTION = SingleProcess.reduce_gradients
+_NULL_NO_SYNC = SingleProcess.no_sync
+_PLAIN_CLIP = SingleProcess.clip_grad_norm_
 
 
 class _Criterion:
@@ -80,7 +85,9 @@ class Engine:
         self._plain = self._is_plain()
 
     def _is_plain(self) -> bool:
-        """No autocast, no token weighting, no pending compile: forward and criterion need no wrapping."""
+        """fp32 (exactly ``FP32Precision``), no token weighting, no pending compile: forward and criterion need no
+        wrapping, and the precision's zero_grad, backward and step are the optimizer's and the loss's own, so the
+        step calls those directly (a Python call fewer each, on the path that runs once per micro-step)."""
         return (type(self.precision) is FP32Precision and self.grad_reduction != "per-token-mean"
                 and not self._compile_pending)
 
@@ -140,8 +147,11 @@ class Engine:
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear gradients, at the start of an accumulation window only."""
-        if self.window.at_start:
-            self.precision.zero_grad(self._model, self._optimizer, set_to_none=set_to_none)
+        if self.window.micro_step == 0:
+            if self._plain:  # fp32: the precision's zero_grad is the optimizer's
+                self._optimizer.zero_grad(set_to_none=set_to_none)
+            else:
+                self.precision.zero_grad(self._model, self._optimizer, set_to_none=set_to_none)
 
     def token_loss(self, loss_sum: torch.Tensor, num_tokens) -> torch.Tensor:
         """Record a micro-batch's real-token count; returns its per-token mean loss (what ``backward`` takes)."""
@@ -160,16 +170,16 @@ class Engine:
             loss = self._weigh_by_tokens(loss, num_tokens)
         elif divisor != 1 and self.grad_reduction == "mean":
             loss = loss / divisor
-        if last:
-            self.precision.backward(loss)
-        else:
-            no_sync = self.strategy.no_sync(self._model)
-            if no_sync is NULL_CONTEXT:  # nothing syncs in backward (one process, all-reduce at step)
-                self.precision.backward(loss)
+        strategy = self.strategy
+        if last or type(strategy).no_sync is _NULL_NO_SYNC:  # nothing to keep from syncing in this backward
+            if self._plain:  # fp32: no loss scaling
+                loss.backward()
             else:
-                with no_sync:
-                    self.precision.backward(loss)
-        self.window.end_backward()
+                self.precision.backward(loss)
+        else:
+            with strategy.no_sync(self._model):
+                self.precision.backward(loss)
+        self.window.micro_step += 1  # (``window.end_backward()``, without the call)
 
     def _weigh_by_tokens(self, loss, num_tokens):
         n = self._micro_tokens if num_tokens is None else torch.as_tensor(num_tokens, dtype=torch.float32,
@@ -208,23 +218,32 @@ class Engine:
     def step(self) -> bool:
         """Update the parameters at the end of a window; True if they were updated."""
         window = self.window
-        if not window.ready:
+        if window.micro_step < window.current_size:  # the window is not complete (``window.ready``)
             return False
-        self.strategy.reduce_gradients(self._model)
+        strategy, plain = self.strategy, self._plain
+        if type(strategy).reduce_gradients is not _NO_REDUCTION:
+            strategy.reduce_gradients(self._model)
         if window.correction != 1.0 and self.grad_reduction == "mean":
             rescale_grads_(self._params, window.correction)
         if self.grad_reduction != "mean":
             rescale_grads_(self._params, self._reduce_scale())
         sink = self.event_sink
         if self.measure_grad_norm:
-            self.precision.unscale_(self._optimizer)
-            self.grad_norm = self.strategy.clip_grad_norm_(self._params, self.clip_grad_norm)
+            if not plain:  # fp32 has nothing to unscale
+                self.precision.unscale_(self._optimizer)
+            if type(strategy).clip_grad_norm_ is _PLAIN_CLIP:
+                self.grad_norm = clip_grad_norm_(self._params, self.clip_grad_norm)
+            else:
+                self.grad_norm = strategy.clip_grad_norm_(self._params, self.clip_grad_norm)
             if sink is not None:
                 sink.after_grad_norm(self.grad_norm)
         if sink is not None:
             sink.before_optimizer_step()
         before = self.num_updates
-        self.precision.step(self._optimizer)
+        if plain:  # fp32: the precision's step is the optimizer's
+            self._optimizer.step()
+        else:
+            self.precision.step(self._optimizer)
         window.reset()
         updated = self.num_updates != before
         if sink is not None:

@@ -514,9 +514,9 @@ class Trainer:
                     fn(self)
                 output, label = st.output, st.label
             if type(output) is torch.Tensor and type(label) is torch.Tensor:
-                loss = st.loss = engine.criterion(output, label)
+                loss = st.loss = engine._criterion_call(output, label)  # (``engine.criterion``, without the property)
             else:
-                loss = st.loss = call_criterion(engine.criterion, output, label)
+                loss = st.loss = call_criterion(engine._criterion_call, output, label)
             if h.after_loss or h.before_backward:
                 for fn in h.after_loss:
                     fn(self)
@@ -530,7 +530,8 @@ class Trainer:
         if h.after_backward:
             for fn in h.after_backward:
                 fn(self)
-        if engine.window.ready:
+        window = engine.window
+        if window.micro_step >= window.current_size:  # ``window.ready``, without the property call
             st.updated = engine.step()
             st.stepped = True
             st.step += 1

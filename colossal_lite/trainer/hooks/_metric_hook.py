@@ -207,7 +207,7 @@ class LossMetric(_RatioMetric):
         self._last: Optional[torch.Tensor] = None
 
     def update(self, loss: torch.Tensor, num_samples: int = 1) -> None:
-        if loss.dim():
+        if loss.ndim:
             loss = _scalar(loss, "LossMetric: the loss")
         elif loss.requires_grad:  # a training loss: its graph (and any activation not yet freed) is not kept
             loss = loss.detach()
@@ -450,8 +450,9 @@ class LossHook(MetricHook):
         self.train_loss.reset()
 
     def after_train_iter(self, trainer, output, label, loss):
-        if loss is not None:
-            self.train_loss.update(loss, _samples(trainer, label))
+        if loss is not None:  # (``_samples``, its common case inline: this runs once per micro-step)
+            n = label.shape[0] if type(label) is torch.Tensor and label.ndim else _num_samples(trainer)
+            self.train_loss.update(loss, n)
 
     def before_test_epoch(self, trainer):
         self.test_loss.reset()
