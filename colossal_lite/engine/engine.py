@@ -130,6 +130,20 @@ class Engine:
         with self.precision.autocast():
             return self._model(*args, **kwargs)
 
+    def micro_step_callables(self):
+        """-> ``(forward, criterion)``: what ``engine(x)`` and ``engine.criterion(out, y)`` come down to now, for
+        a loop that calls them once per micro-step (the Trainer asks once per epoch).
+
+        With nothing to wrap (fp32, the model compiled if at all) they are the model and the user's criterion
+        themselves, which saves the engine's layer; otherwise the engine's own ``__call__`` methods (bound
+        methods: Python calls them more cheaply than the objects). The first forward of a compiled model
+        changes the answer, so ask again rather than keep it.
+        """
+        plain = self._plain
+        forward = self._model if plain else self.__call__
+        criterion = self._criterion if plain and self._criterion is not None else self._criterion_call.__call__
+        return forward, criterion
+
     def _first_compiled_call(self, *args, **kwargs):
         import time
 
@@ -149,7 +163,10 @@ class Engine:
         """Clear gradients, at the start of an accumulation window only."""
         if self.window.micro_step == 0:
             if self._plain:  # fp32: the precision's zero_grad is the optimizer's
-                self._optimizer.zero_grad(set_to_none=set_to_none)
+                if set_to_none:
+                    self._optimizer.zero_grad()  # (its default; no keyword to pass)
+                else:
+                    self._optimizer.zero_grad(set_to_none=False)
             else:
                 self.precision.zero_grad(self._model, self._optimizer, set_to_none=set_to_none)
 
@@ -356,7 +373,10 @@ class EngineLRScheduler:
         if updates == self._seen_updates:
             return
         self.__dict__["_seen_updates"] = updates
-        self.lr_scheduler.step(*args, **kwargs)
+        if args or kwargs:
+            self.lr_scheduler.step(*args, **kwargs)
+        else:  # the usual call, without unpacking (which Python runs in a new interpreter loop)
+            self.lr_scheduler.step()
 
     def state_dict(self):
         return {"scheduler": self.lr_scheduler.state_dict(), "seen_updates": self._seen_updates}

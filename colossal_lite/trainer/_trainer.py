@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import signal
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -432,10 +432,11 @@ class Trainer:
         self._continue_metrics(skip)
         timer.start("Train-epoch")
         train_iter, return_output_label = self._train_iter, run.return_output_label
+        forward, criterion = engine.micro_step_callables()
         advance = None if progress is NO_PROGRESS else progress.advance
         max_steps = st.max_steps if st.max_steps is not None else math.inf
         for _ in range(skip, st.iters_per_epoch):
-            train_iter(data_iter, return_output_label)
+            train_iter(data_iter, return_output_label, forward, criterion)
             if advance is not None:
                 advance()
             if st.stepped:
@@ -475,11 +476,13 @@ class Trainer:
                 states[name] = state
         return states
 
-    def _train_iter(self, data_iter, return_output_label: bool) -> None:
+    def _train_iter(self, data_iter, return_output_label: bool, forward: Callable, criterion: Callable) -> None:
         """One micro-batch: the engine loop's steps with the iteration events between them.
 
-        This runs once per micro-batch, so it does as little as it can: events without subscribers cost a
-        truth test, and the timer is only called when the run has one.
+        ``forward`` and ``criterion``: ``engine.micro_step_callables()`` (what ``engine(x)`` and
+        ``engine.criterion`` come down to). This runs once per micro-batch, so it does as little as it can:
+        events without subscribers cost a truth test, the timer is only called when the run has one, and
+        nothing is called through ``*args`` (Python runs such a call in a new interpreter loop).
         """
         st, engine, h = self.state, self._engine, self._h
         if h.before_train_iter:
@@ -508,15 +511,15 @@ class Trainer:
                 fn(self)
             data, label = st.data, st.label
         if engine.auto_batcher is None:
-            output = st.output = engine(data) if type(data) is torch.Tensor else call_with(engine, data)
+            output = st.output = forward(data) if type(data) is torch.Tensor else call_with(forward, data)
             if h.after_forward:
                 for fn in h.after_forward:
                     fn(self)
                 output, label = st.output, st.label
             if type(output) is torch.Tensor and type(label) is torch.Tensor:
-                loss = st.loss = engine._criterion_call(output, label)  # (``engine.criterion``, without the property)
+                loss = st.loss = criterion(output, label)
             else:
-                loss = st.loss = call_criterion(engine._criterion_call, output, label)
+                loss = st.loss = call_criterion(criterion, output, label)
             if h.after_loss or h.before_backward:
                 for fn in h.after_loss:
                     fn(self)
@@ -541,12 +544,10 @@ class Trainer:
         if timed:
             timer.stop("Train-step", keep_in_history=True)
         if h.after_train_iter:
-            if return_output_label:
-                args = (st.output, st.label, st.loss)
-            else:
-                args = (None, None, st.loss)
+            output, label = (st.output, st.label) if return_output_label else (None, None)
+            loss = st.loss
             for fn in h.after_train_iter:
-                fn(self, *args)
+                fn(self, output, label, loss)
 
     def _evaluate_after_epoch(self, run: "_Run") -> None:
         """Evaluate when the epochs completed are a multiple of an ep interval, and at the end of training."""
@@ -609,9 +610,9 @@ class Trainer:
                 st.loss = call_criterion(engine.criterion, st.output, st.label) if has_criterion else None
                 timer.stop("Test-step", keep_in_history=True)
                 if h.after_test_iter:
-                    args = (st.output, st.label, st.loss) if return_output_label else (None, None, st.loss)
+                    output, label = (st.output, st.label) if return_output_label else (None, None)
                     for fn in h.after_test_iter:
-                        fn(self, *args)
+                        fn(self, output, label, st.loss)
                 count += 1
                 progress.advance()
         timer.stop("Test-epoch", keep_in_history=True)
@@ -652,7 +653,7 @@ class Trainer:
         self.fire(Event.BEFORE_TRAIN_EPOCH)
         n_train = min(engine.window.size, st.iters_per_epoch)
         for _ in range(n_train):
-            self._train_iter(data_iter, run.return_output_label)
+            self._train_iter(data_iter, run.return_output_label, *engine.micro_step_callables())
             if st.stepped:
                 break
         n_train = st.iteration - saved_progress["iteration"]

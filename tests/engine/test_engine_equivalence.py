@@ -102,6 +102,25 @@ def test_scheduler_advances_once_per_update(launched):
     assert sched.last_epoch == 3
 
 
+def test_scheduler_step_passes_its_arguments_through(launched):
+    """ReduceLROnPlateau.step(metric): the engine's wrapper hands the metric on, once per update."""
+    launched(dict(gradient_accumulation=2))
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    engine, _, _, sched = colossal_lite.initialize(model, opt, LOSS, lr_scheduler=plateau, verbose=False)
+    batches = make_batches(4)
+    for i in (0, 2):
+        engine.zero_grad()
+        for x, y in batches[i:i + 2]:
+            engine.backward(engine.criterion(engine(x), y))
+        assert engine.step()
+        sched.step(1.0)  # the first sets the best; the second is no better: the LR halves
+        sched.step(0.1)  # no update since the last step: ignored
+    assert plateau.best == 1.0
+    assert sched.get_last_lr()[0] == pytest.approx(0.05)
+
+
 def test_torch_amp_equals_hand_written_autocast_and_scaler(launched):
     batches = make_batches(4)
     engine, _, _ = engine_loop(dict(fp16=dict(mode=AMP_TYPE.TORCH, init_scale=1024.0), clip_grad_norm=1.0),

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from colossal_lite.amp.precision import BF16Precision
 from colossal_lite.engine.accumulation import AccumulationDataLoader, AccumulationWindow
 from colossal_lite.engine.engine import Engine
 from colossal_lite.trainer import Event, State, Trainer
@@ -23,10 +24,10 @@ def make_model(seed=0):
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-def make_engine(model, accumulation=1, lr=0.1, momentum=0.9):
+def make_engine(model, accumulation=1, lr=0.1, momentum=0.9, precision=None):
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     window = AccumulationWindow(accumulation)
-    return Engine(model, opt, nn.CrossEntropyLoss(), window=window), window
+    return Engine(model, opt, nn.CrossEntropyLoss(), window=window, precision=precision), window
 
 
 class Recorder(BaseHook):
@@ -97,8 +98,8 @@ def test_step_and_iteration_counters_respect_accumulation():
                         (5, 3, True, True)]
 
 
-def engine_loop(model, batches, epochs, accumulation):
-    engine, window = make_engine(model, accumulation)
+def engine_loop(model, batches, epochs, accumulation, precision=None):
+    engine, window = make_engine(model, accumulation, precision=precision)
     loader = AccumulationDataLoader(batches, window)
     for _ in range(epochs):
         it = iter(loader)
@@ -120,6 +121,45 @@ def test_fit_equals_engine_loop_with_partial_window():
     assert engine.num_updates == ref.num_updates == 9
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_fit_equals_engine_loop_under_bf16_autocast():
+    """With autocast the Trainer calls the engine's own forward and criterion (not the bare model), as the loop does."""
+    batches = make_batches(5)
+    ref_model = make_model()
+    model = copy.deepcopy(ref_model)
+    ref = engine_loop(ref_model, batches, epochs=2, accumulation=2, precision=BF16Precision("cpu"))
+
+    engine, window = make_engine(model, accumulation=2, precision=BF16Precision("cpu"))
+    outputs = []
+
+    class Watch(BaseHook):
+        def after_train_iter(self, trainer, output, label, loss):
+            outputs.append(output.dtype)
+
+    Trainer(engine).fit(AccumulationDataLoader(batches, window), epochs=2, hooks=[Watch()])
+    assert outputs and set(outputs) == {torch.bfloat16}  # the forward ran under autocast
+    assert engine.num_updates == ref.num_updates == 6
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_micro_step_callables_skip_the_engine_only_when_it_adds_nothing():
+    x, y = make_batches(1)[0]
+    engine, _ = make_engine(make_model())
+    forward, criterion = engine.micro_step_callables()
+    assert forward is engine.model and criterion is engine.criterion.wrapped  # fp32: the user's own objects
+
+    bf16, _ = make_engine(make_model(), precision=BF16Precision("cpu"))
+    forward, criterion = bf16.micro_step_callables()
+    assert forward == bf16.__call__ and criterion == bf16.criterion.__call__
+    assert forward(x).dtype == torch.bfloat16
+
+    model = make_model()
+    bare = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1))  # no criterion: the clear error stays
+    forward, criterion = bare.micro_step_callables()
+    with pytest.raises(RuntimeError, match="initialize\\(\\) got no criterion"):
+        criterion(forward(x), y)
 
 
 def test_hooks_sorted_by_priority_ties_keep_order_and_list_untouched():
