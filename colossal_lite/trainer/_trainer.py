@@ -23,7 +23,7 @@ from .checkpointing import CheckpointSession, checkpoint_round_trip
 from .events import ENGINE_EVENTS, Event
 from .hooks._base_hook import BaseHook
 from .hooks._log_hook import log_rank_0
-from .progress import NO_PROGRESS, make_progress
+from .progress import make_progress
 from .state import State
 from .time import Interval, Time, TimeUnit
 
@@ -433,12 +433,13 @@ class Trainer:
         timer.start("Train-epoch")
         train_iter, return_output_label = self._train_iter, run.return_output_label
         forward, criterion = engine.micro_step_callables()
-        advance = None if progress is NO_PROGRESS else progress.advance
+        due = progress.due + skip  # the display wants ``update`` when batch_idx reaches this (never: inf)
         max_steps = st.max_steps if st.max_steps is not None else math.inf
         for _ in range(skip, st.iters_per_epoch):
             train_iter(data_iter, return_output_label, forward, criterion)
-            if advance is not None:
-                advance()
+            if st.batch_idx >= due:
+                progress.update(st.batch_idx - skip)
+                due = progress.due + skip
             if st.stepped:
                 if step_eval and run.interval.is_step_boundary(st.step):
                     progress.pause()  # one live bar at a time
@@ -452,7 +453,7 @@ class Trainer:
             if st.stop_training:
                 break
         timer.stop("Train-epoch", keep_in_history=True)
-        progress.close()
+        progress.close(st.batch_idx - skip)
         if preempted:  # the checkpoint is written; the epoch did not end, so no epoch-end events
             return
         self.fire(Event.AFTER_TRAIN_EPOCH)

@@ -1,7 +1,11 @@
 """Progress display for one epoch: a rich bar on a terminal, plain lines otherwise.
 
-Per iteration ``advance()`` only counts and reads the clock. The step metrics (device tensors
-written by ``LogMetricByStepHook``) are turned into numbers only when the display refreshes:
+The loop that drives a display tells it the iterations done only when ``due`` is reached
+(``update(n)``), so most iterations cost a comparison, not a call: the display sets ``due`` from
+the speed so far, to read the clock about as often as it may need to redraw (never after more
+iterations than it has seen, so an early or changing speed is read again soon). ``advance()``
+counts one iteration and does the same check, for loops that prefer it. The step metrics (device
+tensors written by ``LogMetricByStepHook``) are turned into numbers only when the display refreshes:
 a few times a second for the bar; every ``every_fraction`` of the epoch (or ``every_s`` seconds)
 for plain lines. rich is imported only when the bar is shown.
 """
@@ -55,8 +59,13 @@ def stdout_is_terminal() -> bool:
 class NoProgress:
     """The display when ``display_progress`` is off or this is not rank 0."""
 
+    due = math.inf  # iterations done at which the display next wants ``update``: never
+
     def advance(self) -> None:
         pass
+
+    def update(self, n: int) -> None:
+        """``n`` iterations are done (called when ``n`` reaches ``due``)."""
 
     def pause(self) -> None:
         """Stop drawing (an evaluation inside the epoch shows its own display)."""
@@ -64,8 +73,8 @@ class NoProgress:
     def resume(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    def close(self, n: Optional[int] = None) -> None:
+        """The end of the display, after ``n`` iterations (the last count given, if None)."""
 
 
 NO_PROGRESS = NoProgress()
@@ -78,6 +87,32 @@ class _Counter(NoProgress):
         self.states = states
         self.n = 0
         self.start = time.monotonic()
+        self.due = 1
+
+    def advance(self) -> None:
+        self.n += 1
+        if self.n >= self.due:
+            self.update(self.n)
+
+    def update(self, n: int) -> None:
+        self.n = n
+        now = time.monotonic()
+        self._check(now)
+        self.due = n + self._next_check(now)
+
+    def _check(self, now: float) -> None:
+        """Redraw (or print) if it is time."""
+        raise NotImplementedError
+
+    def _next_check(self, now: float) -> int:
+        """Iterations until ``update`` should be called again."""
+        raise NotImplementedError
+
+    def _iterations_in(self, seconds: float, now: float) -> int:
+        """About how many iterations ``seconds`` hold at the speed so far: at least 1, at most the iterations
+        seen (the speed of the first few is no guide; doubling the count re-reads it soon)."""
+        speed = self.n / max(now - self.start, 1e-9)
+        return max(1, min(self.n, int(speed * seconds)))
 
     def speed_and_eta(self, now: float):
         elapsed = max(now - self.start, 1e-9)
@@ -103,14 +138,14 @@ class PlainProgress(_Counter):
         self._last_time = self.start
         self._last_n = 0
 
-    def advance(self) -> None:
-        self.n += 1
-        if self._next_n is not None and self.n >= self._next_n:
-            self._emit(time.monotonic())
-        else:
-            now = time.monotonic()
-            if now - self._last_time >= self.every_s:
-                self._emit(now)
+    def _check(self, now: float) -> None:
+        if (self._next_n is not None and self.n >= self._next_n) or now - self._last_time >= self.every_s:
+            self._emit(now)
+
+    def _next_check(self, now: float) -> int:
+        # the next line's count, and the clock about four times per every_s
+        stride = self._iterations_in(self.every_s / 4, now)
+        return stride if self._next_n is None else min(stride, self._next_n - self.n)
 
     def _emit(self, now: float) -> None:
         speed, eta = self.speed_and_eta(now)
@@ -127,7 +162,9 @@ class PlainProgress(_Counter):
             while self._next_n <= self.n:
                 self._next_n += self._every_n
 
-    def close(self) -> None:
+    def close(self, n: Optional[int] = None) -> None:
+        if n is not None:
+            self.n = n
         if self.n != self._last_n:
             self._emit(time.monotonic())
 
@@ -148,11 +185,12 @@ class RichProgress(_Counter):
         self._progress.start()
         self._last_time = self.start
 
-    def advance(self) -> None:
-        self.n += 1
-        now = time.monotonic()
+    def _check(self, now: float) -> None:
         if now - self._last_time >= self.refresh_s:
             self._refresh(now)
+
+    def _next_check(self, now: float) -> int:
+        return self._iterations_in(self.refresh_s / 2, now)
 
     def _refresh(self, now: float) -> None:
         speed, eta = self.speed_and_eta(now)
@@ -167,7 +205,9 @@ class RichProgress(_Counter):
     def resume(self) -> None:
         self._progress.start()
 
-    def close(self) -> None:
+    def close(self, n: Optional[int] = None) -> None:
+        if n is not None:
+            self.n = n
         self._refresh(time.monotonic())
         self._progress.stop()
 

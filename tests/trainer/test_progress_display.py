@@ -4,6 +4,7 @@ import io
 import os
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -134,3 +135,35 @@ def test_no_host_device_sync_per_step(monkeypatch, capsys, terminal):
     assert sum(long.values()) == sum(short.values()), (short, long)
     assert all(where == os.path.basename(progress.__file__) for _, where, _ in long), long
     assert sum(long.values()) > 0  # the counter does see the reads the display makes
+
+
+def test_display_reads_the_clock_rarely_and_still_prints_on_time(monkeypatch):
+    """The loop calls ``update`` only when ``due``: for fast iterations a few dozen times in 20,000; slow ones still
+    get their time-based line (an unsized loader has only those)."""
+    out = io.StringIO()
+    fast = progress.PlainProgress("[fast]", 20_000, {}, stream=out)
+    calls = 0
+    original = fast.update
+
+    def counting_update(n):
+        nonlocal calls
+        calls += 1
+        original(n)
+
+    fast.update = counting_update
+    for _ in range(20_000):
+        fast.advance()
+    fast.close()
+    assert calls < 200, calls
+    assert [line.split(" ")[1] for line in out.getvalue().splitlines()] == [f"{n}/20000" for n in
+                                                                           range(2000, 20_001, 2000)]
+
+    monkeypatch.setattr(progress.PlainProgress, "every_s", 0.05)
+    out = io.StringIO()
+    slow = progress.PlainProgress("[slow]", None, {}, stream=out)  # no total: lines by time alone
+    start = time.monotonic()
+    while time.monotonic() - start < 1.0:
+        time.sleep(0.005)
+        slow.advance()
+    lines = out.getvalue().splitlines()
+    assert 8 <= len(lines) <= 25, lines  # about one per 0.05 s, checked often enough
