@@ -81,6 +81,9 @@ NO_PROGRESS = NoProgress()
 
 
 class _Counter(NoProgress):
+    """Counts iterations; a subclass defines ``_check(now)`` (redraw or print if it is time) and
+    ``_next_check(now)`` (iterations until ``update`` should be called again)."""
+
     def __init__(self, description: str, total: Optional[int], states: Mapping[str, Any]):
         self.description = description
         self.total = total
@@ -99,14 +102,6 @@ class _Counter(NoProgress):
         now = time.monotonic()
         self._check(now)
         self.due = n + self._next_check(now)
-
-    def _check(self, now: float) -> None:
-        """Redraw (or print) if it is time."""
-        raise NotImplementedError
-
-    def _next_check(self, now: float) -> int:
-        """Iterations until ``update`` should be called again."""
-        raise NotImplementedError
 
     def _iterations_in(self, seconds: float, now: float) -> int:
         """About how many iterations ``seconds`` hold at the speed so far: at least 1, at most the iterations
