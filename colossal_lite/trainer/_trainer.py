@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
@@ -433,13 +434,14 @@ class Trainer:
         timer.start("Train-epoch")
         train_iter, return_output_label = self._train_iter, run.return_output_label
         forward, criterion = engine.micro_step_callables()
-        due = progress.due + skip  # the display wants ``update`` when batch_idx reaches this (never: inf)
+        # the display wants ``update`` when batch_idx reaches ``due`` or the clock ``due_time`` (never: inf)
+        due, due_time, clock = progress.due + skip, progress.due_time, time.monotonic
         max_steps = st.max_steps if st.max_steps is not None else math.inf
         for _ in range(skip, st.iters_per_epoch):
             train_iter(data_iter, return_output_label, forward, criterion)
-            if st.batch_idx >= due:
+            if st.batch_idx >= due or clock() >= due_time:
                 progress.update(st.batch_idx - skip)
-                due = progress.due + skip
+                due, due_time = progress.due + skip, progress.due_time
             if st.stepped:
                 if step_eval and run.interval.is_step_boundary(st.step):
                     progress.pause()  # one live bar at a time

@@ -1,11 +1,10 @@
 """Progress display for one epoch: a rich bar on a terminal, plain lines otherwise.
 
-The loop that drives a display tells it the iterations done only when ``due`` is reached
-(``update(n)``), so most iterations cost a comparison, not a call: the display sets ``due`` from
-the speed so far, to read the clock about as often as it may need to redraw (never after more
-iterations than it has seen, so an early or changing speed is read again soon). ``advance()``
-counts one iteration and does the same check, for loops that prefer it. The step metrics (device
-tensors written by ``LogMetricByStepHook``) are turned into numbers only when the display refreshes:
+The loop that drives a display calls it (``update(n)``) only when the iterations done reach ``due``
+or the clock reaches ``due_time``, so most iterations cost two comparisons and a clock read, not a
+Python call. ``advance()`` counts one iteration and does the same check, for loops that prefer it.
+The step metrics (device tensors written by ``LogMetricByStepHook``) are turned into numbers only
+when the display refreshes:
 a few times a second for the bar; every ``every_fraction`` of the epoch (or ``every_s`` seconds)
 for plain lines. rich is imported only when the bar is shown.
 """
@@ -60,12 +59,13 @@ class NoProgress:
     """The display when ``display_progress`` is off or this is not rank 0."""
 
     due = math.inf  # iterations done at which the display next wants ``update``: never
+    due_time = math.inf  # time.monotonic() at which it next wants ``update``: never
 
     def advance(self) -> None:
         pass
 
     def update(self, n: int) -> None:
-        """``n`` iterations are done (called when ``n`` reaches ``due``)."""
+        """``n`` iterations are done (called when ``n`` reaches ``due`` or the clock ``due_time``)."""
 
     def pause(self) -> None:
         """Stop drawing (an evaluation inside the epoch shows its own display)."""
@@ -81,8 +81,8 @@ NO_PROGRESS = NoProgress()
 
 
 class _Counter(NoProgress):
-    """Counts iterations; a subclass defines ``_check(now)`` (redraw or print if it is time) and
-    ``_next_check(now)`` (iterations until ``update`` should be called again)."""
+    """Counts iterations; a subclass defines ``_check(now)``: redraw or print if it is time, and set
+    ``due`` / ``due_time`` for the next call."""
 
     def __init__(self, description: str, total: Optional[int], states: Mapping[str, Any]):
         self.description = description
@@ -90,24 +90,15 @@ class _Counter(NoProgress):
         self.states = states
         self.n = 0
         self.start = time.monotonic()
-        self.due = 1
 
     def advance(self) -> None:
         self.n += 1
-        if self.n >= self.due:
+        if self.n >= self.due or time.monotonic() >= self.due_time:
             self.update(self.n)
 
     def update(self, n: int) -> None:
         self.n = n
-        now = time.monotonic()
-        self._check(now)
-        self.due = n + self._next_check(now)
-
-    def _iterations_in(self, seconds: float, now: float) -> int:
-        """About how many iterations ``seconds`` hold at the speed so far: at least 1, at most the iterations
-        seen (the speed of the first few is no guide; doubling the count re-reads it soon)."""
-        speed = self.n / max(now - self.start, 1e-9)
-        return max(1, min(self.n, int(speed * seconds)))
+        self._check(time.monotonic())
 
     def speed_and_eta(self, now: float):
         elapsed = max(now - self.start, 1e-9)
@@ -132,15 +123,16 @@ class PlainProgress(_Counter):
         self._next_n = self._every_n
         self._last_time = self.start
         self._last_n = 0
+        self._set_due()
+
+    def _set_due(self) -> None:
+        """The next line: at the next tenth of the epoch, or ``every_s`` after the last line."""
+        self.due = self._next_n if self._next_n is not None else math.inf
+        self.due_time = self._last_time + self.every_s
 
     def _check(self, now: float) -> None:
         if (self._next_n is not None and self.n >= self._next_n) or now - self._last_time >= self.every_s:
             self._emit(now)
-
-    def _next_check(self, now: float) -> int:
-        # the next line's count, and the clock about four times per every_s
-        stride = self._iterations_in(self.every_s / 4, now)
-        return stride if self._next_n is None else min(stride, self._next_n - self.n)
 
     def _emit(self, now: float) -> None:
         speed, eta = self.speed_and_eta(now)
@@ -156,6 +148,7 @@ class PlainProgress(_Counter):
         if self._every_n is not None:
             while self._next_n <= self.n:
                 self._next_n += self._every_n
+        self._set_due()
 
     def close(self, n: Optional[int] = None) -> None:
         if n is not None:
@@ -179,13 +172,11 @@ class RichProgress(_Counter):
         self._task = self._progress.add_task(description, total=total, rate="", metrics="")
         self._progress.start()
         self._last_time = self.start
+        self.due_time = self.start + self.refresh_s  # (``due`` stays inf: the bar redraws by time alone)
 
     def _check(self, now: float) -> None:
         if now - self._last_time >= self.refresh_s:
             self._refresh(now)
-
-    def _next_check(self, now: float) -> int:
-        return self._iterations_in(self.refresh_s / 2, now)
 
     def _refresh(self, now: float) -> None:
         speed, eta = self.speed_and_eta(now)
@@ -193,6 +184,7 @@ class RichProgress(_Counter):
         self._progress.update(self._task, completed=self.n, rate=rate, metrics=self.metrics_text())
         self._progress.refresh()
         self._last_time = now
+        self.due_time = now + self.refresh_s
 
     def pause(self) -> None:
         self._progress.stop()
