@@ -131,7 +131,7 @@ class PlainProgress(_Counter):
         self.due_time = self._last_time + self.every_s
 
     def _check(self, now: float) -> None:
-        if (self._next_n is not None and self.n >= self._next_n) or now - self._last_time >= self.every_s:
+        if self.n >= self.due or now >= self.due_time:
             self._emit(now)
 
     def _emit(self, now: float) -> None:
@@ -175,7 +175,7 @@ class RichProgress(_Counter):
         self.due_time = self.start + self.refresh_s  # (``due`` stays inf: the bar redraws by time alone)
 
     def _check(self, now: float) -> None:
-        if now - self._last_time >= self.refresh_s:
+        if now >= self.due_time:
             self._refresh(now)
 
     def _refresh(self, now: float) -> None:
