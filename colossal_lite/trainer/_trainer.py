@@ -24,7 +24,7 @@ from .checkpointing import CheckpointSession, checkpoint_round_trip
 from .events import ENGINE_EVENTS, Event
 from .hooks._base_hook import BaseHook
 from .hooks._log_hook import log_rank_0
-from .progress import make_progress
+from .progress import NO_PROGRESS, make_progress
 from .state import State
 from .time import Interval, Time, TimeUnit
 
@@ -428,32 +428,10 @@ class Trainer:
         step_eval = run.interval.unit is not TimeUnit.EPOCH and run.test_loader is not None
         boundary = self._checkpoints.at_step_boundary if self._checkpoints is not None and \
             self._checkpoints.active else None
-        preempted = False
         self.fire(Event.BEFORE_TRAIN_EPOCH)
         self._continue_metrics(skip)
         timer.start("Train-epoch")
-        train_iter, return_output_label = self._train_iter, run.return_output_label
-        forward, criterion = engine.micro_step_callables()
-        # the display wants ``update`` when batch_idx reaches ``due`` or the clock ``due_time`` (never: inf)
-        due, due_time, clock = progress.due + skip, progress.due_time, time.monotonic
-        max_steps = st.max_steps if st.max_steps is not None else math.inf
-        for _ in range(skip, st.iters_per_epoch):
-            train_iter(data_iter, return_output_label, forward, criterion)
-            if st.batch_idx >= due or clock() >= due_time:
-                progress.update(st.batch_idx - skip)
-                due, due_time = progress.due + skip, progress.due_time
-            if st.stepped:
-                if step_eval and run.interval.is_step_boundary(st.step):
-                    progress.pause()  # one live bar at a time
-                    self._eval(run.test_loader, epoch, run.display, run.return_output_label)
-                    progress.resume()
-                if boundary is not None and boundary():  # a safe point: interval saves; preemption
-                    preempted = True
-                    break
-                if st.step >= max_steps:
-                    break
-            if st.stop_training:
-                break
+        preempted = self._train_loop(run, data_iter, skip, progress, step_eval, boundary)
         timer.stop("Train-epoch", keep_in_history=True)
         progress.close(st.batch_idx - skip)
         if preempted:  # the checkpoint is written; the epoch did not end, so no epoch-end events
@@ -479,78 +457,113 @@ class Trainer:
                 states[name] = state
         return states
 
-    def _train_iter(self, data_iter, return_output_label: bool, forward: Callable, criterion: Callable) -> None:
-        """One micro-batch: the engine loop's steps with the iteration events between them.
+    def _train_loop(self, run: "_Run", data_iter, skip: int, progress, step_eval: bool = False, boundary=None,
+                    until_step: bool = False) -> bool:
+        """The micro-batches of an epoch from index ``skip`` on: the engine loop's steps with the iteration
+        events between them. Returns True when a checkpoint boundary asked to stop (preemption).
 
-        ``forward`` and ``criterion``: ``engine.micro_step_callables()`` (what ``engine(x)`` and
-        ``engine.criterion`` come down to). This runs once per micro-batch, so it does as little as it can:
-        events without subscribers cost a truth test, the timer is only called when the run has one, and
-        nothing is called through ``*args`` (Python runs such a call in a new interpreter loop).
+        ``until_step``: stop after the first optimizer step (test mode). The whole iteration is written out
+        here, not in a method called per micro-batch: on a step whose model work evicts the caches, each
+        Python call and object touched per iteration costs far more than its instructions (docs/trainer.md,
+        "What a step costs"). Events without subscribers cost a truth test; the timer is only called when
+        the run has one; nothing is called through ``*args``.
         """
         st, engine, h = self.state, self._engine, self._h
-        if h.before_train_iter:
-            for fn in h.before_train_iter:
-                fn(self)
         timer = self._run_timer
         timed = timer is not _NULL_TIMER
-        if timed:
-            timer.start("Train-step")
-        if engine.window.micro_step == 0:  # a new accumulation window: gradients are cleared
-            if h.before_zero_grad:
-                for fn in h.before_zero_grad:
+        window, schedule, device, auto_batcher = engine.window, engine.schedule, engine.device, engine.auto_batcher
+        forward, criterion = engine.micro_step_callables()
+        return_output_label = run.return_output_label
+        before_iter, before_zero_grad, after_iter = h.before_train_iter, h.before_zero_grad, h.after_train_iter
+        batch_loaded, before_forward, after_forward = h.after_batch_loaded, h.before_forward, h.after_forward
+        after_loss, before_backward, after_backward = h.after_loss, h.before_backward, h.after_backward
+        # the display wants ``update`` when batch_idx reaches ``due`` or the clock ``due_time`` (never: inf)
+        due, due_time, clock = progress.due + skip, progress.due_time, time.monotonic
+        max_steps = st.max_steps if st.max_steps is not None else math.inf
+        end = st.iters_per_epoch
+        Tensor = torch.Tensor
+        for _ in range(skip, end):
+            if before_iter:
+                for fn in before_iter:
                     fn(self)
-            engine.zero_grad()
-        st.stepped = st.updated = False
-        schedule = engine.schedule
-        batch, data, label = st.batch, st.data, st.label = schedule.load_split(data_iter, engine.device)
-        if h.after_batch_loaded:
-            for fn in h.after_batch_loaded:
-                fn(self)
-            if st.batch is not batch:  # a hook replaced the whole batch
-                st.data, st.label = schedule.split(st.batch)
-            data, label = st.data, st.label
-        if h.before_forward:
-            for fn in h.before_forward:
-                fn(self)
-            data, label = st.data, st.label
-        if engine.auto_batcher is None:
-            output = st.output = forward(data) if type(data) is torch.Tensor else call_with(forward, data)
-            if h.after_forward:
-                for fn in h.after_forward:
+            if timed:
+                timer.start("Train-step")
+            if window.micro_step == 0:  # a new accumulation window: gradients are cleared
+                if before_zero_grad:
+                    for fn in before_zero_grad:
+                        fn(self)
+                engine.zero_grad()
+            st.stepped = st.updated = False
+            try:
+                batch, data, label = st.batch, st.data, st.label = schedule.load_split(data_iter, device)
+            except StopIteration:
+                raise RuntimeError(f"the train_dataloader stopped after {st.batch_idx} batches of an epoch, but its "
+                                   f"len() is {end}: make __len__ give the number of batches __iter__ yields") from None
+            if batch_loaded:
+                for fn in batch_loaded:
                     fn(self)
-                output, label = st.output, st.label
-            if type(output) is torch.Tensor and type(label) is torch.Tensor:
-                loss = st.loss = criterion(output, label)
-            else:
-                loss = st.loss = call_criterion(criterion, output, label)
-            if h.after_loss or h.before_backward:
-                for fn in h.after_loss:
+                if st.batch is not batch:  # a hook replaced the whole batch
+                    st.data, st.label = schedule.split(st.batch)
+                data, label = st.data, st.label
+            if before_forward:
+                for fn in before_forward:
                     fn(self)
-                for fn in h.before_backward:
+                data, label = st.data, st.label
+            if auto_batcher is None:
+                output = st.output = forward(data) if type(data) is Tensor else call_with(forward, data)
+                if after_forward:
+                    for fn in after_forward:
+                        fn(self)
+                    output, label = st.output, st.label
+                if type(output) is Tensor and type(label) is Tensor:
+                    loss = st.loss = criterion(output, label)
+                else:
+                    loss = st.loss = call_criterion(criterion, output, label)
+                if after_loss or before_backward:
+                    for fn in after_loss:
+                        fn(self)
+                    for fn in before_backward:
+                        fn(self)
+                    loss = st.loss
+                engine.backward(loss)
+            else:  # gradient_accumulation='auto': forward, loss and backward run as one unit (retried on OOM)
+                window.begin_backward()
+                st.output, st.loss = auto_batcher.run(engine, data, label)
+            if after_backward:
+                for fn in after_backward:
                     fn(self)
+            stepped = window.micro_step >= window.current_size  # ``window.ready``, without the property call
+            if stepped:
+                st.updated = engine.step()
+                st.stepped = True
+                st.step += 1
+                st.grad_norm = engine.grad_norm
+            st.iteration += 1
+            batch_idx = st.batch_idx = st.batch_idx + 1
+            if timed:
+                timer.stop("Train-step", keep_in_history=True)
+            if after_iter:
+                output, label = (st.output, st.label) if return_output_label else (None, None)
                 loss = st.loss
-            engine.backward(loss)
-        else:  # gradient_accumulation='auto': forward, loss and backward run as one unit (retried on OOM)
-            engine.window.begin_backward()
-            st.output, st.loss = engine.auto_batcher.run(engine, data, label)
-        if h.after_backward:
-            for fn in h.after_backward:
-                fn(self)
-        window = engine.window
-        if window.micro_step >= window.current_size:  # ``window.ready``, without the property call
-            st.updated = engine.step()
-            st.stepped = True
-            st.step += 1
-            st.grad_norm = engine.grad_norm
-        st.iteration += 1
-        st.batch_idx += 1
-        if timed:
-            timer.stop("Train-step", keep_in_history=True)
-        if h.after_train_iter:
-            output, label = (st.output, st.label) if return_output_label else (None, None)
-            loss = st.loss
-            for fn in h.after_train_iter:
-                fn(self, output, label, loss)
+                for fn in after_iter:
+                    fn(self, output, label, loss)
+            if batch_idx >= due or clock() >= due_time:
+                progress.update(batch_idx - skip)
+                due, due_time = progress.due + skip, progress.due_time
+            if stepped:
+                if until_step:
+                    break
+                if step_eval and run.interval.is_step_boundary(st.step):
+                    progress.pause()  # one live bar at a time
+                    self._eval(run.test_loader, st.epoch, run.display, run.return_output_label)
+                    progress.resume()
+                if boundary is not None and boundary():  # a safe point: interval saves; preemption
+                    return True
+                if st.step >= max_steps:
+                    break
+            if st.stop_training:
+                break
+        return False
 
     def _evaluate_after_epoch(self, run: "_Run") -> None:
         """Evaluate when the epochs completed are a multiple of an ep interval, and at the end of training."""
@@ -654,11 +667,7 @@ class Trainer:
         st.phase = "train"
         data_iter = iter(run.train_loader)
         self.fire(Event.BEFORE_TRAIN_EPOCH)
-        n_train = min(engine.window.size, st.iters_per_epoch)
-        for _ in range(n_train):
-            self._train_iter(data_iter, run.return_output_label, *engine.micro_step_callables())
-            if st.stepped:
-                break
+        self._train_loop(run, data_iter, st.batch_idx, NO_PROGRESS, until_step=True)
         n_train = st.iteration - saved_progress["iteration"]
         train_loss = st.loss.detach().float()
         updated = st.updated

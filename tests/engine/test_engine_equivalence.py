@@ -208,3 +208,42 @@ def test_fp16_overflow_is_skipped_and_recovered(launched, mode, options):
     assert sched.get_last_lr()[0] == pytest.approx(0.05)
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n,num_batches", [(2, 4), (3, 5), (7, 7)])
+def test_accumulated_gradients_are_bitwise_those_of_dividing_the_loss(launched, dtype, n, num_batches):
+    """fp32 backward starts from 1/n instead of dividing the loss: every micro-step's gradients are exactly those
+    of the hand-written ``(loss / n).backward()``, including a last partial window (5 batches, n=3: 3 then 2)."""
+    batches = [(x.to(dtype), y) for x, y in make_batches(num_batches)]
+    launched(dict(gradient_accumulation=n))
+    model = make_model().to(dtype)
+    engine, loader, _, _ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), LOSS, batches,
+                                                    verbose=False)
+    ref = make_model().to(dtype)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(loader):
+        window_start = i - i % n
+        divisor = min(n, num_batches - window_start)
+        if i % n == 0:
+            ref_opt.zero_grad()
+        (LOSS(ref(x), y) / divisor).backward()
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert p.grad.dtype == dtype
+            assert torch.equal(p.grad, q.grad), f"micro-step {i}: gradients differ from (loss / {divisor}).backward()"
+        engine.step()
+        if i % n == n - 1 or i == num_batches - 1:
+            ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_loss_with_more_than_one_number_still_gets_the_clear_backward_error(launched):
+    launched(dict(gradient_accumulation=2))
+    model = make_model()
+    engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    x, _ = make_batches(1)[0]
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+        engine.backward(engine(x))

@@ -210,7 +210,7 @@ class LossMetric(_RatioMetric):
         if loss.ndim:
             loss = _scalar(loss, "LossMetric: the loss")
         elif loss.requires_grad:  # a training loss: its graph (and any activation not yet freed) is not kept
-            loss = loss.detach()
+            loss = loss.data  # (a detached alias, as ``detach()`` gives, made without a dispatched operator call)
         self._sum.add(loss, num_samples)
         self._count += num_samples
         self._last = loss
