@@ -447,3 +447,23 @@ def test_mixup_leaves_evaluation_alone():
     plain = Trainer(engine).evaluate(test, hooks=[LossHook()])
     mixed = Trainer(engine).evaluate(test, hooks=[LossHook(), MixUp(alpha=1.0)])
     assert plain["Loss"] == mixed["Loss"]
+
+
+def test_loss_sum_weighs_each_part_by_its_batch_size_and_resumes_bit_for_bit():
+    """Values of one weight are summed unweighted and multiplied when folded; a smaller last batch starts a new
+    part. A partial state taken anywhere continues to the uninterrupted run's exact float64 sum."""
+    losses = [(0.1 * (i % 7) + 0.013 * i, 4) for i in range(37)] + [(0.77, 2), (0.31, 2), (0.5, 4)]
+    expected = sum(v * n for v, n in losses) / sum(n for _, n in losses)
+    whole = LossMetric(epoch_only=False)
+    for v, n in losses:
+        whole.update(torch.tensor(v), n)
+    assert whole.get_accumulated_value() == pytest.approx(expected, rel=1e-6)
+    for cut in (5, 16, 17, 37, 38):
+        first = LossMetric(epoch_only=False)
+        for v, n in losses[:cut]:
+            first.update(torch.tensor(v), n)
+        resumed = LossMetric(epoch_only=False)
+        resumed.load_partial_state(first.partial_state())
+        for v, n in losses[cut:]:
+            resumed.update(torch.tensor(v), n)
+        assert resumed.get_accumulated_value() == whole.get_accumulated_value(), f"cut at {cut}"

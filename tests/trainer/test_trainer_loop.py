@@ -457,3 +457,19 @@ def test_test_mode_reports_a_non_finite_loss():
     assert "1 train batch ran" in result.message and "no test_dataloader given" in result.message
     assert result.message.endswith("loss finite: FAILED (a loss or a parameter is NaN or inf)")
     assert logs[-1] == "ERROR " + result.message
+
+
+def test_a_loader_that_yields_fewer_batches_than_its_len_gets_a_clear_error():
+    class Overstated:
+        def __init__(self, batches):
+            self.batches = batches
+
+        def __len__(self):
+            return len(self.batches) + 2
+
+        def __iter__(self):
+            return iter(self.batches)
+
+    engine, _ = make_engine(make_model())
+    with pytest.raises(RuntimeError, match=r"stopped after 3 batches of an epoch, but its len\(\) is 5"):
+        Trainer(engine).fit(Overstated(make_batches(3)), epochs=1)

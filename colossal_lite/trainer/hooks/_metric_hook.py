@@ -49,9 +49,11 @@ class _RunningSum:
     """A weighted sum of 0-dim device tensors, for an epoch: one small in-place kernel per update, no
     allocation, no host sync, and nothing from the step kept alive.
 
-    Updates are added in place to a part in the values' dtype (float32 for a loss), and the part is added to
-    a float64 total (float32 on MPS) every ``fold_every`` updates and when read, so a long epoch keeps its
-    precision. Adding float32 straight into float64 would cost a converted copy per update (2.4x the add).
+    Updates are added in place to a part in the values' dtype (float32 for a loss), unweighted: every value in
+    a part has the same weight (a loss's batch size), which multiplies the part when it is added to a float64
+    total (float32 on MPS). That happens every ``fold_every`` updates, when the weight changes (a last, smaller
+    batch) and when the sum is read, so a long epoch keeps its precision and an update is a plain ``add_``
+    (an ``alpha`` or a float32 value added straight into float64 would cost more each step).
     Keeping each step's value to sum them later costs no kernel, but on the CPU those small live tensors,
     placed between the step's large buffers, made glibc trim and regrow the heap again and again: 15-20
     page faults per step on bench_engine, several times the add's cost.
@@ -63,24 +65,35 @@ class _RunningSum:
 
     def __init__(self):
         self._part: Optional[torch.Tensor] = None
+        self._weight: Any = 1  # the weight of every value in the part
         self._in_part = 0
         self._total: Optional[torch.Tensor] = None
 
     def add(self, value: torch.Tensor, weight=1) -> None:
         part = self._part
-        if part is None:
-            part = self._part = torch.zeros((), dtype=_part_dtype(value.dtype), device=value.device)
+        if part is None or weight != self._weight or self._in_part >= self.fold_every:
+            part = self._new_part(value, weight)
         try:
-            part.add_(value, alpha=weight)
-        except RuntimeError:  # a fractional value or weight after integer ones: go on in float32
+            part.add_(value)
+        except RuntimeError:  # a fractional value after integer ones: go on in float32
             if part.is_floating_point():
                 raise
             self._fold()
             part = self._part = torch.zeros((), dtype=torch.float32, device=part.device)
-            part.add_(value, alpha=weight)
+            part.add_(value)
         self._in_part += 1
-        if self._in_part >= self.fold_every:
-            self._fold()
+
+    def _new_part(self, value: torch.Tensor, weight) -> torch.Tensor:
+        """Fold the part so far; the next one holds values of ``weight`` in ``value``'s dtype (integers stay
+        exact in int64 while values and weights are whole)."""
+        self._fold()
+        part = self._part
+        if part is None or part.device != value.device:
+            part = self._part = torch.zeros((), dtype=_part_dtype(value.dtype), device=value.device)
+        elif not part.is_floating_point() and isinstance(weight, float) and not weight.is_integer():
+            part = self._part = torch.zeros((), dtype=torch.float32, device=part.device)
+        self._weight = weight
+        return part
 
     def _fold(self) -> None:
         part = self._part
@@ -88,23 +101,30 @@ class _RunningSum:
             return
         if self._total is None:
             self._total = torch.zeros((), dtype=_wide_dtype(part.device), device=part.device)
-        self._total.add_(part)
+        if self._weight == 1:
+            self._total.add_(part)
+        else:
+            self._total.add_(part, alpha=self._weight)
         part.zero_()
         self._in_part = 0
 
     def state(self) -> Dict[str, Any]:
-        """The sum so far as CPU tensors: the float64 total and the part not yet added to it (kept apart, so a
-        run that continues from it adds in the same groups as one never stopped, to the last bit)."""
+        """The sum so far as CPU tensors: the float64 total and the part not yet added to it, with its weight
+        (kept apart, so a run that continues from it adds in the same groups as one never stopped, to the
+        last bit)."""
         return {"sum": None if self._total is None else self._total.to("cpu", copy=True),
-                "part": None if self._part is None else self._part.to("cpu", copy=True), "in_part": self._in_part}
+                "part": None if self._part is None else self._part.to("cpu", copy=True), "in_part": self._in_part,
+                "weight": self._weight}
 
     def load_state(self, state: Dict[str, Any], device: torch.device) -> None:
-        """Continue from ``state()`` (or from ``{'sum': total}`` alone), on ``device``."""
+        """Continue from ``state()`` (or from ``{'sum': total}`` alone; a part saved without its weight holds
+        values already weighted), on ``device``."""
         total, part = state.get("sum"), state.get("part")
         self._total = None if total is None else \
             total.detach().to(device=device, dtype=_wide_dtype(device), copy=True).reshape(())
         self._part = None if part is None else part.detach().to(device=device, copy=True).reshape(())
         self._in_part = int(state.get("in_part", 0)) if part is not None else 0
+        self._weight = state.get("weight", 1)
 
     def value(self, device: torch.device) -> torch.Tensor:
         """A copy of the sum so far, 0-dim float64 (float32 on MPS), on the updates' device (``device`` if none)."""
@@ -451,8 +471,8 @@ class LossHook(MetricHook):
 
     def after_train_iter(self, trainer, output, label, loss):
         if loss is not None:  # (``_samples``, its common case inline: this runs once per micro-step)
-            n = label.shape[0] if type(label) is torch.Tensor and label.ndim else _num_samples(trainer)
-            self.train_loss.update(loss, n)
+            shape = label.shape if type(label) is torch.Tensor else None
+            self.train_loss.update(loss, shape[0] if shape else _num_samples(trainer))
 
     def before_test_epoch(self, trainer):
         self.test_loss.reset()
