@@ -68,9 +68,6 @@ def call_criterion(criterion: Callable, outputs: Any, labels: Any):
     return criterion(*outs, *labs)
 
 
-_UNKNOWN = object()
-
-
 class NonPipelineSchedule:
     """One forward (and backward) per call; ``data_process_func(batch) -> (data, label)`` is optional."""
 
@@ -80,26 +77,28 @@ class NonPipelineSchedule:
             if n != 1:
                 raise TypeError(f"data_process_func must take exactly one argument (the batch), it takes {n}")
         self.data_process_func = data_process_func
-        self._batch: Any = None  # the last batch loaded
-        self._size: Any = None  # its size; _UNKNOWN until asked
+        self.current_batch: Any = None  # the last batch loaded (the Trainer sets it for the batches it loads)
+        self._size: Optional[int] = None
+        self._size_of: Any = None  # the batch ``_size`` belongs to
 
     @property
     def batch_size(self) -> Optional[int]:
         """Samples in the last batch loaded (first dimension of its first tensor); None when it has none."""
-        if self._size is _UNKNOWN:  # worked out when first asked, once per batch
-            t = _first_tensor(self._batch)
+        batch = self.current_batch
+        if self._size_of is not batch:  # worked out when first asked, once per batch
+            t = _first_tensor(batch)
             self._size = t.shape[0] if t is not None and t.dim() > 0 else None
+            self._size_of = batch
         return self._size
 
     @batch_size.setter
     def batch_size(self, value: Optional[int]) -> None:
-        self._size = value
+        self._size, self._size_of = value, self.current_batch
 
     def load_batch(self, data_iter: Iterable, device: torch.device):
         if data_iter is None:
             raise RuntimeError("execute_schedule needs an iterator over batches, got None (pass iter(train_dataloader))")
-        batch = move_to_device(next(data_iter), device)
-        self._batch, self._size = batch, _UNKNOWN
+        batch = self.current_batch = move_to_device(next(data_iter), device)
         return batch
 
     def load_split(self, data_iter: Iterable, device: torch.device):
@@ -112,10 +111,9 @@ class NonPipelineSchedule:
         if (type(batch) is tuple or type(batch) is list) and len(batch) == 2 and self.data_process_func is None:
             a, b = batch
             if type(a) is torch.Tensor and type(b) is torch.Tensor and a.device == device and b.device == device:
-                self._batch, self._size = batch, _UNKNOWN
+                self.current_batch = batch
                 return batch, a, b
-        batch = move_to_device(batch, device)
-        self._batch, self._size = batch, _UNKNOWN
+        batch = self.current_batch = move_to_device(batch, device)
         data, label = self.split(batch)
         return batch, data, label
 

@@ -10,7 +10,7 @@ import math
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -481,24 +481,31 @@ class Trainer:
         due, due_time, clock = progress.due + skip, progress.due_time, time.monotonic
         max_steps = st.max_steps if st.max_steps is not None else math.inf
         end = st.iters_per_epoch
-        Tensor = torch.Tensor
-        for _ in range(skip, end):
-            if before_iter:
-                for fn in before_iter:
-                    fn(self)
-            if timed:
-                timer.start("Train-step")
-            if window.micro_step == 0:  # a new accumulation window: gradients are cleared
-                if before_zero_grad:
-                    for fn in before_zero_grad:
-                        fn(self)
+        if skip >= end:
+            return False
+        Tensor, process = torch.Tensor, schedule.data_process_func
+        # Each iteration starts with before_train_iter, the step timer and (first micro-batch of a window)
+        # before_zero_grad and zero_grad, then loads its batch. With none of them but zero_grad, the batch comes
+        # straight from a ``for`` over the loader (zero_grad then runs just after it is loaded, which nothing can
+        # tell apart); a ``next()`` per iteration from here costs several us more when the caches are cold.
+        ordered = bool(before_iter or before_zero_grad) or timed
+        batches = self._iteration_starts(data_iter, timer if timed else None) if ordered else data_iter
+        for batch in batches:
+            if not ordered and window.micro_step == 0:  # a new accumulation window: gradients are cleared
                 engine.zero_grad()
             st.stepped = st.updated = False
-            try:
-                batch, data, label = st.batch, st.data, st.label = schedule.load_split(data_iter, device)
-            except StopIteration:
-                raise RuntimeError(f"the train_dataloader stopped after {st.batch_idx} batches of an epoch, but its "
-                                   f"len() is {end}: make __len__ give the number of batches __iter__ yields") from None
+            # the common batch, (data, label) tensors already on the device, as it is (``schedule.load_split``)
+            if (type(batch) is tuple or type(batch) is list) and len(batch) == 2 and process is None:
+                data, label = batch
+                if type(data) is not Tensor or type(label) is not Tensor or data.device != device \
+                        or label.device != device:
+                    batch = move_to_device(batch, device)
+                    data, label = schedule.split(batch)
+            else:
+                batch = move_to_device(batch, device)
+                data, label = schedule.split(batch)
+            schedule.current_batch = st.batch = batch
+            st.data, st.label = data, label
             if batch_loaded:
                 for fn in batch_loaded:
                     fn(self)
@@ -561,9 +568,32 @@ class Trainer:
                     return True
                 if st.step >= max_steps:
                     break
-            if st.stop_training:
+            if st.stop_training or batch_idx >= end:
                 break
+        else:
+            raise RuntimeError(f"the train_dataloader stopped after {st.batch_idx} batches of an epoch, but its len() "
+                               f"is {end}: make __len__ give the number of batches __iter__ yields")
         return False
+
+    def _iteration_starts(self, data_iter, timer) -> Iterator:
+        """The training batches, each loaded after the start of its iteration: ``before_train_iter``, the step
+        timer (so a step's time includes loading its data) and, on a window's first micro-batch,
+        ``before_zero_grad`` and ``zero_grad`` run first, as in the legacy trainer."""
+        h, engine = self._h, self._engine
+        before_iter, before_zero_grad, window = h.before_train_iter, h.before_zero_grad, engine.window
+        while True:
+            for fn in before_iter:
+                fn(self)
+            if timer is not None:
+                timer.start("Train-step")
+            if window.micro_step == 0:
+                for fn in before_zero_grad:
+                    fn(self)
+                engine.zero_grad()
+            batch = next(data_iter, _END)
+            if batch is _END:
+                return
+            yield batch
 
     def _evaluate_after_epoch(self, run: "_Run") -> None:
         """Evaluate when the epochs completed are a multiple of an ep interval, and at the end of training."""
