@@ -484,7 +484,6 @@ class Trainer:
         if skip >= end:
             return False
         Tensor, process = torch.Tensor, schedule.data_process_func
-        on_cpu = device.type == "cpu"  # (``is_cpu`` reads a flag; ``.device`` makes a new object per call)
         # Each iteration starts with before_train_iter, the step timer and (first micro-batch of a window)
         # before_zero_grad and zero_grad, then loads its batch. With none of them but zero_grad, the batch comes
         # straight from a ``for`` over the loader (zero_grad then runs just after it is loaded, which nothing can
@@ -498,8 +497,8 @@ class Trainer:
             # the common batch, (data, label) tensors already on the device, as it is (``schedule.load_split``)
             if (type(batch) is tuple or type(batch) is list) and len(batch) == 2 and process is None:
                 data, label = batch
-                if type(data) is not Tensor or type(label) is not Tensor or not (
-                        data.is_cpu and label.is_cpu if on_cpu else data.device == device and label.device == device):
+                if type(data) is not Tensor or type(label) is not Tensor or data.device != device \
+                        or label.device != device:
                     batch = move_to_device(batch, device)
                     data, label = schedule.split(batch)
             else:

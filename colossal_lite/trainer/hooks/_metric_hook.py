@@ -231,13 +231,7 @@ class LossMetric(_RatioMetric):
             loss = _scalar(loss, "LossMetric: the loss")
         elif loss.requires_grad:  # a training loss: its graph (and any activation not yet freed) is not kept
             loss = loss.data  # (a detached alias, as ``detach()`` gives, made without a dispatched operator call)
-        total = self._sum
-        part = total._part
-        if part is not None and num_samples == total._weight and total._in_part < total.fold_every:
-            part.add_(loss)  # ``total.add``'s common case, written out: this runs once per micro-step
-            total._in_part += 1
-        else:
-            total.add(loss, num_samples)
+        self._sum.add(loss, num_samples)
         self._count += num_samples
         self._last = loss
         self._cached = None
