@@ -102,12 +102,15 @@ class NonPipelineSchedule:
         return batch
 
     def load_split(self, data_iter: Iterable, device: torch.device):
-        """``load_batch`` then ``split``: -> (batch, data, label).
+        """``load_batch`` then ``split``: -> (batch, data, label)."""
+        return self.place(next(data_iter), device)
+
+    def place(self, batch, device: torch.device):
+        """A loaded batch on ``device``, split: -> (batch, data, label); it becomes ``current_batch``.
 
         The common batch, a ``(data, label)`` tuple or list of two tensors already on ``device``, is
-        recognised here in one step (this runs once per micro-batch).
+        recognised in one step and passed through as it is (this runs once per micro-batch).
         """
-        batch = next(data_iter)
         if (type(batch) is tuple or type(batch) is list) and len(batch) == 2 and self.data_process_func is None:
             a, b = batch
             if type(a) is torch.Tensor and type(b) is torch.Tensor and a.device == device and b.device == device:

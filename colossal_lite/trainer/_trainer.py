@@ -10,7 +10,7 @@ import math
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -494,16 +494,13 @@ class Trainer:
             if not ordered and window.micro_step == 0:  # a new accumulation window: gradients are cleared
                 engine.zero_grad()
             st.stepped = st.updated = False
-            # the common batch, (data, label) tensors already on the device, as it is (``schedule.load_split``)
-            if (type(batch) is tuple or type(batch) is list) and len(batch) == 2 and process is None:
+            # ``schedule.place``, its common case written out: (data, label) tensors already on the device
+            if (type(batch) is tuple or type(batch) is list) and len(batch) == 2 and process is None \
+                    and type(batch[0]) is Tensor and type(batch[1]) is Tensor \
+                    and batch[0].device == device and batch[1].device == device:
                 data, label = batch
-                if type(data) is not Tensor or type(label) is not Tensor or data.device != device \
-                        or label.device != device:
-                    batch = move_to_device(batch, device)
-                    data, label = schedule.split(batch)
             else:
-                batch = move_to_device(batch, device)
-                data, label = schedule.split(batch)
+                batch, data, label = schedule.place(batch, device)
             schedule.current_batch = st.batch = batch
             st.data, st.label = data, label
             if batch_loaded:

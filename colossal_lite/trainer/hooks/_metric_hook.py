@@ -84,14 +84,12 @@ class _RunningSum:
         self._in_part += 1
 
     def _new_part(self, value: torch.Tensor, weight) -> torch.Tensor:
-        """Fold the part so far; the next one holds values of ``weight`` in ``value``'s dtype (integers stay
-        exact in int64 while values and weights are whole)."""
+        """Fold the part so far; the next one holds values of ``weight`` in ``value``'s dtype (integer counts
+        stay exact in int64; the weight, whole or not, multiplies them only in the float64 fold)."""
         self._fold()
         part = self._part
         if part is None or part.device != value.device:
             part = self._part = torch.zeros((), dtype=_part_dtype(value.dtype), device=value.device)
-        elif not part.is_floating_point() and isinstance(weight, float) and not weight.is_integer():
-            part = self._part = torch.zeros((), dtype=torch.float32, device=part.device)
         self._weight = weight
         return part
 
