@@ -14,7 +14,10 @@ How it is measured (this machine is shared and noisy; instances of the same mode
   and the median of those is reported with a 95 % confidence interval (order statistics).
 
     python benchmarks/bench_engine.py [--epochs 8] [--epoch-steps 600] [--block 20] [--runs 5]
-                                      [--width 512] [--batch-size 64]
+                                      [--width 512] [--batch-size 64] [--hooks loss,acc,lr,step] [--no-progress]
+
+``--hooks`` and ``--no-progress`` change only the Trainer (the other contestants stay as they are): an
+ablation of what each hook and the display cost, e.g. ``--hooks '' --no-progress`` for the bare loop.
 
 One process's heap and code layout shifts every figure by up to tens of us (a CI within one run does not
 show it), so ``--runs K`` runs the whole measurement in K fresh processes one after another and reports,
@@ -43,6 +46,7 @@ import torch
 from torch import nn
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
+HOOK_NAMES = ("loss", "acc", "lr", "step")  # LossHook, AccuracyHook, LRSchedulerHook, LogMetricByStepHook
 MicroStep = Callable[[Batch], None]
 
 
@@ -56,6 +60,8 @@ class Workload:
     clip: float = 1.0  # global L2 norm
     lr: float = 0.01
     num_batches: int = 16  # distinct batches, cycled (made once, outside the timed region)
+    hooks: Tuple[str, ...] = HOOK_NAMES  # the Trainer's hooks (``--hooks``: an ablation leaves some out)
+    progress: bool = True  # the Trainer's progress display (plain lines to /dev/null)
 
     def model(self) -> nn.Module:
         torch.manual_seed(0)  # every contestant starts from the same weights
@@ -134,16 +140,16 @@ def trainer_setup(w: Workload):
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     engine, _, _, sched = colossal_lite.initialize(model, optimizer, nn.CrossEntropyLoss(), lr_scheduler=sched,
                                                    verbose=False)
-    hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()),
-                 hooks.LRSchedulerHook(sched, by_epoch=False), hooks.LogMetricByStepHook()]
-    return engine, sched, hook_list
+    make = {"loss": hooks.LossHook, "acc": lambda: hooks.AccuracyHook(Accuracy()),
+            "lr": lambda: hooks.LRSchedulerHook(sched, by_epoch=False), "step": hooks.LogMetricByStepHook}
+    return engine, sched, [make[name]() for name in HOOK_NAMES if name in w.hooks]
 
 
 class _TrainerSteps:
     """``Trainer.fit`` over the requested micro-batches, as one contestant (it owns its loop)."""
 
-    def __init__(self, trainer, hooks, lr_scheduler):
-        self.trainer, self.hooks, self.lr_scheduler = trainer, hooks, lr_scheduler
+    def __init__(self, trainer, hooks, lr_scheduler, progress: bool = True):
+        self.trainer, self.hooks, self.lr_scheduler, self.progress = trainer, hooks, lr_scheduler, progress
         self.epochs = 0
 
     def run_many(self, batches: List[Batch], steps: int, start: int):
@@ -151,7 +157,7 @@ class _TrainerSteps:
         loader = [batches[i % n] for i in range(start, start + steps)]
         self.epochs += 1
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-            self.trainer.fit(loader, epochs=self.epochs, hooks=self.hooks, display_progress=True)
+            self.trainer.fit(loader, epochs=self.epochs, hooks=self.hooks, display_progress=self.progress)
 
     def __call__(self, batch: Batch):
         self.run_many([batch], 1, 0)
@@ -162,7 +168,7 @@ def build_trainer(w: Workload) -> Tuple[MicroStep, nn.Module]:
     from colossal_lite.trainer import Trainer
 
     engine, sched, hook_list = trainer_setup(w)
-    return _TrainerSteps(Trainer(engine), hook_list, sched), engine.unwrapped_model
+    return _TrainerSteps(Trainer(engine), hook_list, sched, w.progress), engine.unwrapped_model
 
 
 CONTESTANTS: Dict[str, Callable[[Workload], Tuple[MicroStep, nn.Module]]] = {
@@ -313,18 +319,38 @@ def median_ci(values: List[float]) -> Tuple[float, float, float]:
     return statistics.median(v), v[lo], v[hi]
 
 
+def workload(args) -> Workload:
+    return Workload(in_features=args.width, hidden=args.width, batch_size=args.batch_size,
+                    hooks=tuple(args.hooks), progress=not args.no_progress)
+
+
+def describe_trainer(w: Workload) -> str:
+    names = {"loss": "LossHook", "acc": "AccuracyHook", "lr": "LRSchedulerHook", "step": "LogMetricByStepHook"}
+    listed = ", ".join(names[n] for n in HOOK_NAMES if n in w.hooks) or "no hooks"
+    return f"{listed}, progress {'on' if w.progress else 'off'}"
+
+
+def parse_hooks(text: str) -> Tuple[str, ...]:
+    chosen = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in chosen if name not in HOOK_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown hook {', '.join(unknown)}: choose from {','.join(HOOK_NAMES)} "
+                                         f"(an empty string: no hooks)")
+    return chosen
+
+
 PAIRS = (("engine", BASELINE), ("trainer", BASELINE), ("hand+", BASELINE), ("trainer", "hand+"))
 
 
 def measure(args) -> Dict[str, object]:
     """One run in this process: prints its report; returns {'hand': us, 'engine - hand': [diff, lo, hi], ...}."""
-    w = Workload(in_features=args.width, hidden=args.width, batch_size=args.batch_size)
+    w = workload(args)
     torch.set_num_threads(1)
     check_same_result(w)
     steps, trainer, hook_list = build_shared(w, args.epoch_steps)
     loader = InterleavedLoader(w.batches(), args.epoch_steps, args.block, steps)
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):  # progress lines: plain, not shown
-        trainer.fit(loader, epochs=args.epochs, hooks=hook_list, display_progress=True)
+        trainer.fit(loader, epochs=args.epochs, hooks=hook_list, display_progress=w.progress)
     loader.finish()
 
     warm = args.epoch_steps // args.block  # blocks of the first epoch
@@ -332,8 +358,8 @@ def measure(args) -> Dict[str, object]:
     n = min(len(v) for v in us.values())
     us = {name: v[:n] for name, v in us.items()}
     print(f"workload: MLP {w.in_features}->{w.hidden}->{w.classes}, batch {w.batch_size}, SGD, accumulation "
-          f"{w.accumulation}, clip {w.clip}, fp32, CPU, {torch.get_num_threads()} thread; trainer with LossHook, "
-          f"AccuracyHook, LRSchedulerHook, LogMetricByStepHook, progress on; {args.epochs - 1} epochs x "
+          f"{w.accumulation}, clip {w.clip}, fp32, CPU, {torch.get_num_threads()} thread; trainer with "
+          f"{describe_trainer(w)}; {args.epochs - 1} epochs x "
           f"{args.epoch_steps} micro-steps after 1 warm-up epoch, contestants alternating every {args.block}")
     base = us[BASELINE]
     result: Dict[str, object] = {BASELINE: statistics.median(base)}
@@ -359,7 +385,9 @@ def measure_in_processes(args) -> None:
     for i in range(args.runs):
         cmd = [sys.executable, os.path.abspath(__file__), "--epochs", str(args.epochs), "--epoch-steps",
                str(args.epoch_steps), "--block", str(args.block), "--width", str(args.width), "--batch-size",
-               str(args.batch_size), "--json"]
+               str(args.batch_size), "--hooks", ",".join(args.hooks), "--json"]
+        if args.no_progress:
+            cmd.append("--no-progress")
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise SystemExit(f"run {i + 1} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -383,10 +411,14 @@ def main():
     parser.add_argument("--width", type=int, default=Workload.in_features,
                         help="input and hidden features of the MLP (small: the per-step Python cost with warm caches)")
     parser.add_argument("--batch-size", type=int, default=Workload.batch_size)
+    parser.add_argument("--hooks", type=parse_hooks, default=HOOK_NAMES, metavar="LIST",
+                        help=f"the Trainer's hooks, comma-separated from {','.join(HOOK_NAMES)} (default: all; "
+                             f"'' for none): an ablation of what each costs")
+    parser.add_argument("--no-progress", action="store_true", help="the Trainer without its progress display")
     parser.add_argument("--runs", type=int, default=1, help="fresh processes to measure in (median over them)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
-    w = Workload(in_features=args.width, hidden=args.width, batch_size=args.batch_size)
+    w = workload(args)
     if args.block % w.accumulation or args.epoch_steps % args.block:
         parser.error(f"--block must be a multiple of the accumulation window ({w.accumulation}) and divide "
                      f"--epoch-steps")
