@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
-HOOK_NAMES = ("loss", "acc", "lr", "step")  # LossHook, AccuracyHook, LRSchedulerHook, LogMetricByStepHook
+HOOK_CLASSES = {"loss": "LossHook", "acc": "AccuracyHook", "lr": "LRSchedulerHook", "step": "LogMetricByStepHook"}
+HOOK_NAMES = tuple(HOOK_CLASSES)  # the names ``--hooks`` takes, in the order the hooks are listed
 MicroStep = Callable[[Batch], None]
 
 
@@ -325,8 +326,7 @@ def workload(args) -> Workload:
 
 
 def describe_trainer(w: Workload) -> str:
-    names = {"loss": "LossHook", "acc": "AccuracyHook", "lr": "LRSchedulerHook", "step": "LogMetricByStepHook"}
-    listed = ", ".join(names[n] for n in HOOK_NAMES if n in w.hooks) or "no hooks"
+    listed = ", ".join(HOOK_CLASSES[n] for n in HOOK_NAMES if n in w.hooks) or "no hooks"
     return f"{listed}, progress {'on' if w.progress else 'off'}"
 
 

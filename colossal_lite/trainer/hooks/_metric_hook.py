@@ -99,10 +99,7 @@ class _RunningSum:
             return
         if self._total is None:
             self._total = torch.zeros((), dtype=_wide_dtype(part.device), device=part.device)
-        if self._weight == 1:
-            self._total.add_(part)
-        else:
-            self._total.add_(part, alpha=self._weight)
+        self._total.add_(part, alpha=self._weight)  # (once per fold, not per update)
         part.zero_()
         self._in_part = 0
 
