@@ -265,6 +265,28 @@ def test_hooks_replacing_batch_and_loss_change_training_as_computed_by_hand():
     torch.testing.assert_close(torch.stack(seen_losses), torch.stack(expected_losses))
 
 
+def test_an_iterations_outputs_loss_and_graph_are_freed_before_the_next_forward():
+    """The last iteration's output and loss (and so its autograd graph) are let go when it ends, not kept
+    alive through the next forward (docs/trainer.md, "What a step costs")."""
+    import weakref
+
+    seen = []
+
+    class Watch(BaseHook):
+        def after_train_iter(self, trainer, output, label, loss):
+            assert trainer.state.output is output and trainer.state.loss is loss  # still set for the hooks
+            self.refs = (weakref.ref(output), weakref.ref(loss))  # (the graph is only reachable through them)
+
+        def before_forward(self, trainer):
+            if hasattr(self, "refs"):
+                seen.append([ref() is None for ref in self.refs])
+                seen.append([trainer.state.output is None, trainer.state.loss is None])
+
+    engine, _ = make_engine(make_model(), accumulation=2)
+    Trainer(engine).fit(make_batches(5), epochs=1, hooks=[LossHook(), Watch()])
+    assert len(seen) == 8 and all(all(flags) for flags in seen), seen
+
+
 def test_grad_norm_event_receives_the_norm_and_engine_is_restored():
     norms = []
 
