@@ -554,9 +554,13 @@ class Trainer:
             if batch_idx >= due or clock() >= due_time:
                 progress.update(batch_idx - skip)
                 due, due_time = progress.due + skip, progress.due_time
+            if stepped and until_step:
+                break  # (test mode reads this step's loss)
+            # The iteration is over: its outputs and loss (and through them its autograd graph) are let go now,
+            # not when the next iteration overwrites them after its forward. Holding them across the next step
+            # costs about 5 us per micro-step on bench_engine (docs/trainer.md, "What a step costs").
+            output = loss = st.output = st.loss = None
             if stepped:
-                if until_step:
-                    break
                 if step_eval and run.interval.is_step_boundary(st.step):
                     progress.pause()  # one live bar at a time
                     self._eval(run.test_loader, st.epoch, run.display, run.return_output_label)
@@ -565,10 +569,6 @@ class Trainer:
                     return True
                 if st.step >= max_steps:
                     break
-            # The iteration is over: its outputs and loss (and through them its autograd graph) are let go now,
-            # not when the next iteration overwrites them after its forward. Holding them across the next step
-            # costs about 5 us per micro-step on bench_engine (docs/trainer.md, "What a step costs").
-            output = loss = st.output = st.loss = None
             if st.stop_training or batch_idx >= end:
                 break
         else:
