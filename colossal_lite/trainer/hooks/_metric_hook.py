@@ -333,17 +333,18 @@ class LearningRateMetric(Metric):
         return float(self._source()) if self._source is not None else self._lr
 
     def reset(self) -> None:
-        self._cached = None  # the LR is a running value: kept across epochs
+        """Nothing to clear: the LR is a running value, kept across epochs."""
 
     def update(self, lr: float) -> None:
         self._lr = float(lr)
         self._source = None
-        self._cached = None
 
     def last_step_value(self):
         return self.lr
 
-    def _compute_accumulated(self) -> float:
+    def get_accumulated_value(self) -> float:
+        """The current LR, read each time: it is the same on every rank (no collective), and a cached value
+        would go stale as soon as the scheduler steps, which is no ``update`` of this metric."""
         return self.lr
 
     @staticmethod
