@@ -24,6 +24,7 @@ from .checkpointing import CheckpointSession, checkpoint_round_trip
 from .events import ENGINE_EVENTS, Event
 from .hooks._base_hook import BaseHook
 from .hooks._log_hook import log_rank_0
+from .hooks._utils import resolve_metric
 from .progress import NO_PROGRESS, make_progress
 from .state import State
 from .time import Interval, Time, TimeUnit
@@ -316,9 +317,20 @@ class Trainer:
         if self._h.after_grad_norm:
             engine.measure_grad_norm = True
         self.fire(Event.AFTER_HOOK_IS_ATTACHED)
+        if self.state.fitting:
+            self._check_watched_metrics()
         if self._pending_hook_states is not None:
             self._load_hook_states(self._pending_hook_states)
             self._pending_hook_states = None
+
+    def _check_watched_metrics(self) -> None:
+        """Every metric a hook names exists, now that all hooks have registered theirs (any priority order)."""
+        for hook in self.hooks:
+            for spec in hook.watched_metrics:
+                try:
+                    resolve_metric(self, spec)
+                except ValueError as err:
+                    raise ValueError(f"{type(hook).__name__} watches metric {spec!r}: {err}") from None
 
     def _detach(self) -> None:
         if self._saved_engine_events is not None:

@@ -10,7 +10,6 @@ import runpy
 import textwrap
 
 import pytest
-
 from dist_helpers import run_torchrun
 
 SCRIPT = textwrap.dedent('''

@@ -22,6 +22,10 @@ class BaseHook:
     #: ``fit``/``evaluate``): a hook whose options leave an overridden method idle lists it here (or makes this
     #: a property) so the trainer does not call it every iteration.
     skipped_events: tuple = ()
+    #: Names of the metrics this hook reads (``'Loss'``, ``'test/Accuracy'``; see ``resolve_metric``). Once all
+    #: of ``fit``'s hooks are attached the trainer refuses a name that no hook provides, listing those that exist,
+    #: so a misspelt name fails before the first step instead of being silently never found.
+    watched_metrics: tuple = ()
 
     def __init__(self, priority: Optional[int] = None) -> None:
         if priority is not None:

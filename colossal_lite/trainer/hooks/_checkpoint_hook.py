@@ -68,6 +68,10 @@ class SaveCheckpointHook(BaseHook):
         self._last_position = None
         self._due = False
 
+    @property
+    def watched_metrics(self):
+        return () if self.save_best is None else (self.save_best[0],)
+
     def after_hook_is_attached(self, trainer):
         if not trainer.state.fitting:
             return

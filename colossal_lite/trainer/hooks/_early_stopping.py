@@ -6,6 +6,7 @@ from typing import Any, Dict, Optional
 
 from ._base_hook import BaseHook
 from ._log_hook import log_rank_0
+from ._utils import resolve_metric
 
 __all__ = ["EarlyStoppingHook"]
 
@@ -43,25 +44,17 @@ class EarlyStoppingHook(BaseHook):
         self._phase: Optional[str] = None
         self._name: Optional[str] = None
 
+    @property
+    def watched_metrics(self):
+        return (self.monitor,)
+
     def after_hook_is_attached(self, trainer):
-        metrics = trainer.states["metrics"]
-        phase, sep, name = self.monitor.partition("/")
-        if sep:
-            if phase not in ("train", "test"):
-                raise ValueError(f"EarlyStoppingHook(monitor={self.monitor!r}): the part before '/' must be "
-                                 f"'train' or 'test'")
-        else:
-            name = self.monitor
-            phase = "test" if (trainer.state.will_test and name in metrics["test"]) else "train"
-        if name not in metrics[phase]:
-            raise ValueError(
-                f"EarlyStoppingHook(monitor={self.monitor!r}): no {phase} metric {name!r}. The hooks of this run give "
-                f"train metrics {sorted(metrics['train'])} and test metrics {sorted(metrics['test'])}; add the hook "
-                f"that computes it (LossHook gives 'Loss', AccuracyHook 'Accuracy') with a lower priority number")
-        if phase == "test" and not trainer.state.will_test:
-            raise ValueError(f"EarlyStoppingHook(monitor={self.monitor!r}) watches a test metric, but fit got no "
-                             f"test_dataloader")
-        self._phase, self._name = phase, name
+        self._phase, self._name = None, None  # found by name at the first check (the trainer checked it exists)
+
+    def _target(self, trainer):
+        if self._phase is None:
+            self._phase, self._name = resolve_metric(trainer, self.monitor)
+        return self._phase, self._name
 
     def _improved(self, value: float) -> bool:
         if not math.isfinite(value):
@@ -73,7 +66,8 @@ class EarlyStoppingHook(BaseHook):
         return value > self.best + self.min_delta
 
     def _check(self, trainer) -> None:
-        value = trainer.states["metrics"][self._phase][self._name].get_accumulated_value()
+        phase, name = self._target(trainer)
+        value = trainer.states["metrics"][phase][name].get_accumulated_value()
         if self._improved(value):
             self.best, self.best_epoch, self.wait = value, trainer.cur_epoch, 0
             return
@@ -87,11 +81,11 @@ class EarlyStoppingHook(BaseHook):
             log_rank_0(self.logger, st.stop_reason)
 
     def after_train_epoch(self, trainer):
-        if self._phase == "train":
+        if trainer.state.fitting and self._target(trainer)[0] == "train":
             self._check(trainer)
 
     def after_test_epoch(self, trainer):
-        if self._phase == "test" and trainer.state.fitting:
+        if trainer.state.fitting and self._target(trainer)[0] == "test":
             self._check(trainer)
 
     def state_dict(self) -> Dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 
 from ..progress import format_number, to_number
 from ._base_hook import BaseHook
-from ._utils import all_reduce_sum_, data_parallel_size, device_of
+from ._utils import all_reduce_sum_, data_parallel_size, device_of, resolve_metric
 
 __all__ = ["Metric", "LossMetric", "AccuracyMetric", "LearningRateMetric", "ThroughputMetric", "MetricHook",
            "LossHook", "AccuracyHook", "LRSchedulerHook", "ThroughputHook", "LogMetricByStepHook"]
@@ -538,22 +538,45 @@ class AccuracyHook(MetricHook):
             self.train_metric.update(logits, targets, _num_samples(trainer))
 
 
+def _is_plateau(lr_scheduler) -> bool:
+    """A ``ReduceLROnPlateau`` (also inside the engine's ``EngineLRScheduler``): it steps on a metric value."""
+    inner = getattr(lr_scheduler, "lr_scheduler", lr_scheduler)
+    return isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
 class LRSchedulerHook(MetricHook):
     """Steps ``lr_scheduler`` after every optimizer update (or after every finished epoch with ``by_epoch=True``:
     an epoch that ``max_steps`` or a stop cut short steps it when a later ``fit`` finishes it).
 
     With ``store_lr_in_state`` the learning rate is kept as train metric ``'LR'`` and in ``trainer.state.lr``.
     A step skipped by fp16 (overflow) does not move the schedule.
+
+    ``monitor`` (a metric name such as ``'test/Loss'``, for ``ReduceLROnPlateau``, which needs ``by_epoch=True``):
+    the scheduler steps with that metric's epoch value, at the end of each training epoch for a train metric,
+    after each evaluation for a test metric.
     """
 
-    def __init__(self, lr_scheduler, by_epoch: bool, store_lr_in_state: bool = True, priority: int = 1):
+    def __init__(self, lr_scheduler, by_epoch: bool, store_lr_in_state: bool = True, priority: int = 1,
+                 monitor: Optional[str] = None):
         super().__init__(priority)
         if not callable(getattr(lr_scheduler, "step", None)):
             raise TypeError(f"LRSchedulerHook needs an LR scheduler with .step(), got {type(lr_scheduler).__name__}")
+        plateau = _is_plateau(lr_scheduler)
+        if plateau and (monitor is None or not by_epoch):
+            raise ValueError("LRSchedulerHook: ReduceLROnPlateau steps on a metric once per epoch: pass "
+                             "by_epoch=True and monitor='test/Loss' (or another metric, e.g. 'train/Loss', 'Accuracy')")
+        if monitor is not None and not plateau:
+            raise ValueError(f"LRSchedulerHook(monitor={monitor!r}) is for ReduceLROnPlateau; "
+                             f"{type(lr_scheduler).__name__} steps without a metric: leave monitor out")
         self.lr_scheduler = lr_scheduler
         self.by_epoch = bool(by_epoch)
         self.store_lr_in_state = bool(store_lr_in_state)
+        self.monitor = monitor
         self.metric: Optional[LearningRateMetric] = None
+
+    @property
+    def watched_metrics(self):
+        return () if self.monitor is None else (self.monitor,)
 
     def _current_lr(self) -> float:
         if hasattr(self.lr_scheduler, "get_last_lr"):
@@ -573,10 +596,23 @@ class LRSchedulerHook(MetricHook):
         if not self.by_epoch and trainer.state.updated:
             self.lr_scheduler.step()
 
+    def _step_on_metric(self, trainer, phase: str) -> None:
+        watched_phase, name = resolve_metric(trainer, self.monitor)
+        if watched_phase == phase:  # (reading the epoch value is a collective: every rank is here)
+            self.lr_scheduler.step(trainer.states["metrics"][phase][name].get_accumulated_value())
+
     def after_train_epoch(self, trainer):
         # an epoch cut short (max_steps, a stop) is continued by the next fit, which ends it and steps then
-        if self.by_epoch and trainer.state.epoch_finished:
+        if not (self.by_epoch and trainer.state.epoch_finished):
+            return
+        if self.monitor is None:
             self.lr_scheduler.step()
+        else:
+            self._step_on_metric(trainer, "train")
+
+    def after_test_epoch(self, trainer):
+        if self.monitor is not None and trainer.state.fitting:
+            self._step_on_metric(trainer, "test")
 
 
 def _synchronize(device: torch.device) -> None:

@@ -1,7 +1,8 @@
 """Helpers shared by the built-in hooks: rank checks, the data-parallel all-reduce, intervals."""
 from __future__ import annotations
 
-from typing import Union
+import difflib
+from typing import Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -58,3 +59,36 @@ def due_at_epoch_end(interval: Interval, trainer) -> bool:
 
 def device_of(trainer) -> torch.device:
     return trainer.engine.device
+
+
+def resolve_metric(trainer, spec: str) -> Tuple[str, str]:
+    """``(phase, name)`` of the metric ``spec`` names in ``trainer.states['metrics']``.
+
+    ``'train/Loss'`` and ``'test/Accuracy'`` choose the phase; a bare name is the test metric when ``fit``
+    evaluates and has it, else the train one. A name no hook provides raises ``ValueError`` listing the
+    metrics that exist (and the nearest one), as does a test metric in a run without a test loader.
+    """
+    metrics = trainer.states.get("metrics") or {}
+    train, test = metrics.get("train", {}), metrics.get("test", {})
+    will_test = bool(trainer.state.will_test)
+    phase, sep, name = spec.partition("/")
+    if not sep:
+        phase, name = ("test" if will_test and spec in test else "train"), spec
+    elif phase not in ("train", "test"):
+        raise ValueError(f"metric {spec!r}: the part before '/' must be 'train' or 'test'")
+    if name not in metrics.get(phase, {}):
+        kind = f"{phase} metric" if sep else "metric"
+        raise ValueError(f"no {kind} {name!r}{_nearest(name, set(train) | set(test))}. The hooks of this run give "
+                         f"train metrics {sorted(train)} and test metrics {sorted(test)}; add the hook that computes "
+                         f"it (LossHook gives 'Loss', AccuracyHook 'Accuracy', LRSchedulerHook 'LR')")
+    if phase == "test" and not will_test:
+        raise ValueError(f"metric {spec!r} is a test metric, but fit got no test_dataloader")
+    return phase, name
+
+
+def _nearest(name: str, names) -> str:
+    """`` (did you mean 'X'?)`` for the existing name closest to ``name`` (case aside first), else ''."""
+    by_case = {n.lower(): n for n in names}
+    near = [by_case[name.lower()]] if name.lower() in by_case else \
+        difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.5)
+    return f" (did you mean {near[0]!r}? names are case-sensitive)" if near else ""
