@@ -119,6 +119,11 @@ class TorchAMPPrecision(FP32Precision):
     def autocast(self):
         return torch.autocast(self.device_type, dtype=torch.float16, enabled=self.options["enabled"])
 
+    @property
+    def skips_nonfinite_steps(self) -> bool:
+        """The loss scaler skips an update whose gradients hold inf/nan (so the engine's loss guard stands aside)."""
+        return bool(self.options["enabled"])
+
     def backward(self, loss):
         self.scaler.scale(loss).backward()
 
@@ -205,6 +210,7 @@ class NaiveAMPPrecision(FP32Precision):
 
     mode = AMP_TYPE.NAIVE
     name = "naive_amp"
+    skips_nonfinite_steps = True  # an overflow (inf/nan gradient) skips the update and backs the scale off
 
     def __init__(self, initial_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 2, min_scale: Optional[float] = None,

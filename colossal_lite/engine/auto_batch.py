@@ -63,6 +63,7 @@ class AutoMicroBatcher:
                     with engine.strategy.no_sync(engine.model):
                         out = call_with(engine, d)
                         loss = call_criterion(engine.criterion, out, lab)
+                        engine.loss_guard.watch(loss)
                         weight = _batch_len(d) / n
                         engine.precision.backward(loss * weight)
                     outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from ..amp.precision import FP32Precision
+from ..logging import get_dist_logger
 from .accumulation import AccumulationWindow, rescale_grads_
+from .loss_guard import build_loss_guard
 from .schedule import NonPipelineSchedule
 from .strategy import SingleProcess, clip_grad_norm_
 
@@ -56,7 +58,8 @@ class Engine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, criterion=None, precision=None,
                  strategy=None, window: Optional[AccumulationWindow] = None, clip_grad_norm: float = 0.0,
                  schedule: Optional[NonPipelineSchedule] = None, device: Optional[torch.device] = None,
-                 gradient_handlers=None, verbose: bool = True, grad_reduction: str = "mean", compiled: bool = False):
+                 gradient_handlers=None, verbose: bool = True, grad_reduction: str = "mean", compiled: bool = False,
+                 nonfinite_loss: str = "raise"):
         self._model = model
         self._optimizer = optimizer
         self._criterion = criterion
@@ -82,6 +85,9 @@ class Engine:
         self._criterion_call = _Criterion(self)
         self._seed: Optional[torch.Tensor] = None  # ``_backward_seed``'s last result, for ``_seed_divisor``
         self._seed_divisor = 0
+        self.nonfinite_loss = nonfinite_loss
+        self.loss_guard = build_loss_guard(nonfinite_loss, self.precision)
+        self._warned_idle_step = False  # step() with no backward since the last update: said once
         self._params = self.precision.master_params(optimizer)
         optimizer.register_step_post_hook(self._count_update)
         self._plain = self._is_plain()
@@ -185,6 +191,7 @@ class Engine:
         micro-batch's token count (``num_tokens``, or the one the criterion reported) weighs it.
         """
         divisor, last = self.window.begin_backward()
+        self.loss_guard.watch(loss)
         seed = None  # the gradient backward starts from (None: 1)
         if self.grad_reduction == "per-token-mean":
             loss = self._weigh_by_tokens(loss, num_tokens)
@@ -256,7 +263,11 @@ class Engine:
         """Update the parameters at the end of a window; True if they were updated."""
         window = self.window
         if window.micro_step < window.current_size:  # the window is not complete (``window.ready``)
+            if window.micro_step == 0 and not self._warned_idle_step:
+                self._warn_idle_step()
             return False
+        if not self.loss_guard.allows_step():  # nonfinite_loss='skip' and a loss of this window was nan/inf
+            return self._skip_update()
         strategy, plain = self.strategy, self._plain
         if type(strategy).reduce_gradients is not _NO_REDUCTION:
             strategy.reduce_gradients(self._model)
@@ -282,10 +293,33 @@ class Engine:
         else:
             self.precision.step(self._optimizer)
         window.reset()
+        self.loss_guard.end_window()
         updated = self.num_updates != before
         if sink is not None:
             sink.after_optimizer_step(updated)
         return updated
+
+    def _skip_update(self) -> bool:
+        self.window.reset()
+        self.loss_guard.end_window()
+        get_dist_logger().warning(f"nonfinite_loss='skip': a loss of optimizer step {self.num_updates + 1} was nan or "
+                                  f"inf on some rank; that update was skipped", ranks=[0])
+        if self.event_sink is not None:
+            self.event_sink.after_optimizer_step(False)
+        return False
+
+    def _warn_idle_step(self) -> None:
+        self._warned_idle_step = True
+        get_dist_logger().warning(
+            "engine.step() was called with no engine.backward(loss) since the last update, so it applied nothing "
+            "(said once). Call engine.backward(loss) before engine.step(): loss.backward() alone bypasses the engine's "
+            "accumulation, loss scaling and gradient sync, and its gradients are never applied", ranks=[0])
+
+    def check_loss_finite(self) -> None:
+        """Raise ``NonFiniteLossError`` if a training loss so far was nan or inf on any rank (with
+        ``nonfinite_loss='raise'``; otherwise nothing). Reads the device once and is a collective: every rank calls
+        it, at a point where metrics are read anyway (the Trainer: each epoch's end, each checkpoint, fit's end)."""
+        self.loss_guard.check()
 
     def execute_schedule(self, data_iter: Iterable, forward_only: bool = False, return_loss: bool = True,
                          return_output_label: bool = True):
@@ -374,6 +408,7 @@ class Engine:
             for p, g in zip(params, grads):
                 p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
         self.num_updates = int(state.get("num_updates", self.num_updates))
+        self.loss_guard.start_counting_at(self.num_updates)
 
 
 class EngineLRScheduler:

@@ -415,6 +415,7 @@ class Trainer:
                     log_rank_0(self._logger, f"Training stopped at epoch {epoch}, step {st.step}: "
                                              f"{st.stop_reason or 'state.stop_training was set by a hook'}")
                     break
+            self._engine.check_loss_finite()
             checkpoints.finish()
             self.fire(Event.AFTER_TRAIN)
             checkpoints.raise_if_preempted()
@@ -448,6 +449,7 @@ class Trainer:
         progress.close(st.batch_idx - skip)
         if preempted:  # the checkpoint is written; the epoch did not end, so no epoch-end events
             return
+        engine.check_loss_finite()  # (nonfinite_loss='raise': before the epoch's metrics are read and logged)
         self.fire(Event.AFTER_TRAIN_EPOCH)
         timer.reset("Train-epoch")
 

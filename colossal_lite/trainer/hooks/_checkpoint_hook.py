@@ -107,6 +107,7 @@ class SaveCheckpointHook(BaseHook):
             return self.last_path
         if self.manager is None:
             self.manager = CheckpointManager(self.checkpoint_dir, **self._options)
+        trainer.engine.check_loss_finite()  # nan weights never become a checkpoint (nor push a good one out)
         metrics = checkpoint_metrics(trainer, None if self.save_best is None else self.save_best[0])
         path = save_trainer_checkpoint(trainer, self.manager, metrics=metrics)
         self._last_position, self.last_path = here, path
