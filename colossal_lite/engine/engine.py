@@ -56,7 +56,8 @@ class Engine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, criterion=None, precision=None,
                  strategy=None, window: Optional[AccumulationWindow] = None, clip_grad_norm: float = 0.0,
                  schedule: Optional[NonPipelineSchedule] = None, device: Optional[torch.device] = None,
-                 gradient_handlers=None, verbose: bool = True, grad_reduction: str = "mean", compiled: bool = False):
+                 gradient_handlers=None, verbose: bool = True, grad_reduction: str = "mean", compiled: bool = False,
+                 nonfinite_loss: str = "raise"):
         self._model = model
         self._optimizer = optimizer
         self._criterion = criterion
@@ -74,6 +75,7 @@ class Engine:
         if grad_reduction not in ("mean", "sum", "per-token-mean"):
             raise ValueError(f"grad_reduction must be 'mean', 'sum' or 'per-token-mean', got {grad_reduction!r}")
         self.grad_reduction = grad_reduction
+        self.nonfinite_loss = nonfinite_loss
         self._world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self._micro_tokens: Optional[torch.Tensor] = None
         self.auto_batcher = None  # an AutoMicroBatcher with gradient_accumulation='auto'
