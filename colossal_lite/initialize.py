@@ -4,12 +4,15 @@ Also re-exports the launch functions (the legacy ``colossalai.initialize`` modul
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterable, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .amp.precision import build_precision
+from .context.config import Config
 from .context.features import describe_features
 from .core.global_context import global_context as gpc
 from .engine.accumulation import AccumulationDataLoader, AccumulationWindow
@@ -18,6 +21,79 @@ from .engine.schedule import NonPipelineSchedule
 from .engine.strategy import AllReduceStrategy, DDPStrategy, SingleProcess, broadcast_module
 from .launch import get_default_parser, launch, launch_from_openmpi, launch_from_slurm, launch_from_torch
 from .logging import get_dist_logger
+
+# Multi-process launchers, the variable each sets to the number of processes it started, and the call that
+# joins them into a process group. The first launcher whose variable is set decides (torchrun inside a
+# SLURM allocation is torchrun).
+_LAUNCHERS = (
+    (("WORLD_SIZE",), "WORLD_SIZE", "launch_from_torch(config=...)"),
+    (("SLURM_PROCID", "SLURM_NTASKS"), "SLURM_NTASKS", "launch_from_slurm(config=..., host=..., port=...)"),
+    (("SLURM_PROCID", "SLURM_NPROCS"), "SLURM_NPROCS", "launch_from_slurm(config=..., host=..., port=...)"),
+    (("OMPI_COMM_WORLD_SIZE",), "OMPI_COMM_WORLD_SIZE", "launch_from_openmpi(config=..., host=..., port=...)"),
+)
+
+
+def _check_launched():
+    """Refuse to build one engine per process when a launcher started several but no process group joins them:
+    each would train its own copy of the model on all the data, with no gradient sync and no error."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    for needed, size_var, call in _LAUNCHERS:
+        if not all(v in os.environ for v in needed):
+            continue
+        try:
+            size = int(os.environ[size_var])
+        except ValueError:
+            return
+        if size > 1:
+            raise RuntimeError(
+                f"initialize: this process is one of {size} started together ({size_var}={size}), but no process group "
+                f"exists, so each process would train its own copy of the model on all the data with no gradient sync. "
+                f"Fix: call colossal_lite.{call} before colossal_lite.initialize(...) (or, to run this process alone "
+                f"on purpose, colossal_lite.launch(config=..., rank=0, world_size=1, host=None, port=None))")
+        return
+
+
+def _check_criterion(criterion):
+    if criterion is None:
+        return
+    if isinstance(criterion, type):  # a class is callable too, but calling it builds a loss instead of computing one
+        raise TypeError(f"initialize(criterion=...): got the class {criterion.__name__}, not a loss function; "
+                        f"pass an instance: {criterion.__name__}()")
+    if not callable(criterion):
+        raise TypeError(f"initialize(criterion=...) must be callable (e.g. torch.nn.CrossEntropyLoss()), "
+                        f"got {type(criterion).__name__}")
+
+
+def _loader_batch_size(loader) -> Optional[int]:
+    """Samples per batch of a loader that says so (``DataLoader.batch_size``, or its batch sampler's)."""
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _check_micro_batch_size(config, loader, world_size: int):
+    """The config's batch arithmetic must describe the loader that really feeds the engine."""
+    micro = config.get("micro_batch_size")
+    real = _loader_batch_size(loader) if micro is not None else None
+    if real is None or real == micro:
+        return
+    accum = config.get("gradient_accumulation", 1) or 1
+    where = config._where("micro_batch_size") if isinstance(config, Config) else "<dict config>"
+    # 'auto' starts each batch whole, so a step is one loader batch per rank until memory runs out
+    steps = [] if accum == "auto" else [accum]
+    configured = " x ".join(map(str, [micro, world_size, *steps]))
+    really = " x ".join(map(str, [real, world_size, *steps]))
+    per_step = 1 if accum == "auto" else accum
+    glob = micro * world_size * per_step  # the launch made global_batch_size agree with it (not checked with 'auto')
+    names = "micro_batch_size x data-parallel size" + ("" if accum == "auto" else " x gradient_accumulation")
+    raise ValueError(
+        f"initialize(train_dataloader=...): the train loader's batch size is {real}, but the config ({where}) has "
+        f"micro_batch_size = {micro}: {names} = {configured} = {glob} (global batch), while this loader gives "
+        f"{really} = {real * world_size * per_step} samples per optimizer step. Fix: build the loader with "
+        f"batch_size={micro} (colossal_lite.utils.get_dataloader takes micro_batch_size when no batch_size is given), "
+        f"or write micro_batch_size = {real} in the config")
 
 
 def _build_model(model) -> nn.Module:
@@ -72,6 +148,13 @@ def _build_strategy(config, world_size: int, precision):
     return DDPStrategy(**dict(config.get("torch_ddp") or {}))
 
 
+def _log_summary(logger, config, device, world_size: int, strategy):
+    summary = "\n".join(f"  - {line}" for line in describe_features(config, world_size))
+    logger.info(f"colossal_lite engine ready on {device}, world size {world_size}:\n{summary}", ranks=[0])
+    if world_size > 1 and isinstance(strategy, SingleProcess) and type(strategy) is SingleProcess:
+        logger.warning("gradient_handler=[] was given: gradients are not all-reduced across ranks", ranks=[0])
+
+
 def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
                optimizer: Union[torch.optim.Optimizer, Callable],
                criterion: Optional[Callable] = None,
@@ -88,11 +171,13 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     """
     if ophooks:
         raise ValueError("initialize(ophooks=...): op-hooks (Gemini) are not supported by colossal_lite; remove the argument")
+    _check_launched()
     config = gpc.config if gpc.config is not None else {}
     logger = get_dist_logger()
+    _check_criterion(criterion)
+    world_size = gpc.get_world_size()
+    _check_micro_batch_size(config, train_dataloader, world_size)
     model = _build_model(model)
-    if criterion is not None and not callable(criterion):
-        raise TypeError(f"initialize(criterion=...) must be callable (e.g. torch.nn.CrossEntropyLoss()), got {type(criterion).__name__}")
 
     torch.backends.cudnn.benchmark = bool(config.get("cudnn_benchmark", False))
     torch.backends.cudnn.deterministic = bool(config.get("cudnn_deterministic", False))
@@ -100,7 +185,6 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     device = gpc.device
     model = model.to(device)
     optimizer = _build_optimizer(optimizer, model)
-    world_size = gpc.get_world_size()
     broadcast_module(model)  # every rank starts from rank 0's parameters
 
     precision = build_precision(config.get("fp16"))
@@ -118,7 +202,8 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     engine = Engine(model=model, optimizer=optimizer, criterion=criterion, precision=precision, strategy=strategy,
                     window=window, clip_grad_norm=config.get("clip_grad_norm", 0.0),
                     schedule=NonPipelineSchedule(data_process_func), device=device,
-                    grad_reduction=config.get("grad_reduction", "mean"), compiled=bool(compile_cfg))
+                    grad_reduction=config.get("grad_reduction", "mean"), compiled=bool(compile_cfg),
+                    nonfinite_loss=config.get("nonfinite_loss", "raise"))
     gpc._engines.add(engine)
     if auto:
         from .engine.auto_batch import AutoMicroBatcher
@@ -129,10 +214,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     if lr_scheduler is not None:
         lr_scheduler = EngineLRScheduler(lr_scheduler, engine)
     if verbose:
-        summary = "\n".join(f"  - {line}" for line in describe_features(config, world_size))
-        logger.info(f"colossal_lite engine ready on {device}, world size {world_size}:\n{summary}", ranks=[0])
-        if world_size > 1 and isinstance(strategy, SingleProcess) and type(strategy) is SingleProcess:
-            logger.warning("gradient_handler=[] was given: gradients are not all-reduced across ranks", ranks=[0])
+        _log_summary(logger, config, device, world_size, strategy)
     return engine, train_dataloader, test_dataloader, lr_scheduler
 
 

@@ -15,7 +15,7 @@ def _fmt(options: dict) -> str:
 
 
 def describe_features(config: dict, world_size: Optional[int] = None) -> List[str]:
-    """One line per feature: precision, accumulation, clipping, data parallel, ZeRO, cuDNN."""
+    """One line per feature: precision, accumulation, clipping, data parallel, ZeRO, non-finite loss, cuDNN."""
     lines = []
     fp16 = config.get("fp16") or {}
     mode = normalize_amp_mode(fp16.get("mode")) if fp16 else None
@@ -66,6 +66,11 @@ def describe_features(config: dict, world_size: Optional[int] = None) -> List[st
                 "sum": "sum over micro-batches and ranks",
                 "per-token-mean": "mean over every real token of the global batch (criterion returns (loss_sum, tokens))"}
         lines.append(f"gradient reduction: {what[red]}")
+    nonfinite = config.get("nonfinite_loss", "raise")
+    if nonfinite != "raise":
+        what = {"skip": "an optimizer update whose window had an inf/NaN loss is skipped (one host read per update)",
+                "ignore": "not checked (an inf/NaN loss is applied like any other)"}
+        lines.append(f"non-finite loss: {what[nonfinite]}")
     comp = config.get("compile")
     if comp:
         lines.append(f"compile: torch.compile({'' if comp is True else _fmt(comp)})")

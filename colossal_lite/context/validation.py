@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..amp.amp_type import AMP_TYPE
 from .config import Config, ConfigException
+from .hints import amp_mode_meant, as_bool, as_choice, as_number, as_positive_int, as_positive_number, as_seconds, py
 
 # Options each precision mode accepts, with their defaults.
 TORCH_AMP_OPTIONS = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, enabled=True)
@@ -23,6 +24,7 @@ NAIVE_AMP_OPTIONS = dict(
 BF16_OPTIONS: Dict[str, Any] = {}
 ZERO_OPTIONS = dict(stage=None, offload_optimizer=False, shard_modules=None, reshard_after_forward=None)
 GRADIENT_HANDLERS = ("DataParallelGradientHandler",)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # Common misspellings, mapped to the key that was meant.
 ALIASES = {
@@ -56,53 +58,79 @@ class _Checker:
         if value is None:
             return
         if not isinstance(value, dict):
-            self.fail(("fp16",), f"expected a dict like dict(mode=AMP_TYPE.TORCH), got {type(value).__name__}",
-                      "write fp16 = dict(mode=AMP_TYPE.TORCH) (or BF16, NAIVE, None)")
+            meant = None if isinstance(value, bool) else amp_mode_meant(value)
+            fix = ("write fp16 = None (fp32) or remove the key" if value is False else
+                   f"write fp16 = dict(mode={meant or 'AMP_TYPE.TORCH'})" + ("" if meant else " (or BF16, NAIVE, None)"))
+            self.fail(("fp16",), f"expected a dict like dict(mode=AMP_TYPE.TORCH), got {type(value).__name__}", fix)
         if "mode" not in value:
-            self.fail(("fp16",), "missing 'mode'", "add mode=AMP_TYPE.TORCH, AMP_TYPE.BF16, AMP_TYPE.NAIVE or None")
+            mode = _mode_of_options(value)
+            fix = (f"write fp16 = {py({'mode': mode, **value})}" if mode and value else
+                   "add mode=AMP_TYPE.TORCH, AMP_TYPE.BF16, AMP_TYPE.NAIVE or None")
+            self.fail(("fp16",), "missing 'mode'", fix)
         mode = normalize_amp_mode(value["mode"], lambda problem, fix: self.fail(("fp16", "mode"), problem, fix))
         if mode is AMP_TYPE.APEX:
             self.fail(("fp16", "mode"), "AMP_TYPE.APEX needs NVIDIA apex, which colossal_lite does not support",
-                      "use AMP_TYPE.TORCH (torch autocast + GradScaler, the same O1 behaviour) or AMP_TYPE.NAIVE (O3-like)")
+                      _apex_fix(value.get("opt_level")))
         options = {None: {}, AMP_TYPE.TORCH: TORCH_AMP_OPTIONS, AMP_TYPE.NAIVE: NAIVE_AMP_OPTIONS,
                    AMP_TYPE.BF16: BF16_OPTIONS}[mode]
         for opt, v in value.items():
             if opt == "mode":
                 continue
             if opt not in options:
-                accepted = ", ".join(options) or "no options"
-                self.fail(("fp16", opt), f"not an option of mode {mode.name if mode else None}",
-                          f"remove it{self._suggest(opt, options)} (accepted: {accepted})")
-            if opt in ("enabled", "dynamic_grad_scale", "verbose"):
-                if not _is_bool(v):
-                    self.fail(("fp16", opt), f"expected True or False, got {v!r}", f"write {opt}=True or {opt}=False")
-            elif opt in ("min_scale", "max_scale") and v is None:
-                pass
-            elif opt in ("growth_interval", "hysteresis"):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    self.fail(("fp16", opt), f"expected a positive int, got {v!r}", f"write e.g. {opt}={options[opt]}")
-            elif not _is_number(v) or v <= 0:
-                self.fail(("fp16", opt), f"expected a positive number, got {v!r}", f"write e.g. {opt}={options[opt]}")
+                self._unknown_amp_option(mode, opt, options)
+            self._amp_option(opt, v, options)
         if mode is AMP_TYPE.TORCH and "growth_factor" in value and value["growth_factor"] <= 1:
-            self.fail(("fp16", "growth_factor"), "must be > 1", "write growth_factor=2.0")
+            v = value["growth_factor"]
+            self.fail(("fp16", "growth_factor"), "must be > 1 (the loss scale is multiplied by it)",
+                      f"write growth_factor={py(round(1 / v, 4)) if 0 < v < 1 else 2.0}")
         if "backoff_factor" in value and not 0 < value["backoff_factor"] < 1:
-            self.fail(("fp16", "backoff_factor"), "must be between 0 and 1", "write backoff_factor=0.5")
+            v = value["backoff_factor"]
+            self.fail(("fp16", "backoff_factor"), "must be between 0 and 1 (the loss scale is multiplied by it)",
+                      f"write backoff_factor={py(round(1 / v, 4)) if v > 1 else 0.5}")
+
+    def _unknown_amp_option(self, mode, opt, options):
+        accepted = ", ".join(options) or "no options"
+        owner = next((m for m, opts in ((AMP_TYPE.TORCH, TORCH_AMP_OPTIONS), (AMP_TYPE.NAIVE, NAIVE_AMP_OPTIONS))
+                      if opt in opts), None)
+        where = f"; '{opt}' is an option of mode={py(owner)}" if owner else ""
+        self.fail(("fp16", opt), f"not an option of mode {mode.name if mode else None}",
+                  f"remove it{self._suggest(opt, options)} (accepted: {accepted}){where}")
+
+    def _amp_option(self, opt, v, options):
+        """One loss-scaler option: its type and range."""
+        if opt in ("enabled", "dynamic_grad_scale", "verbose"):
+            if not _is_bool(v):
+                meant = as_bool(v)
+                fix = f"write {opt}={meant}" if meant is not None else f"write {opt}=True or {opt}=False"
+                self.fail(("fp16", opt), f"expected True or False, got {v!r}", fix)
+        elif opt in ("min_scale", "max_scale") and v is None:
+            pass
+        elif opt in ("growth_interval", "hysteresis"):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                self.fail(("fp16", opt), f"expected a positive int, got {v!r}", _write(opt, as_positive_int(v), options[opt], "="))
+        elif not _is_number(v) or v <= 0:
+            self.fail(("fp16", opt), f"expected a positive number, got {v!r}", _write(opt, as_positive_number(v), options[opt], "="))
 
     def clip_grad_norm(self, value):
         if not _is_number(value) or value < 0:
+            meant = as_number(value)
             self.fail(("clip_grad_norm",), f"expected a number >= 0 (the max global L2 norm; 0 turns clipping off), got {value!r}",
-                      "write clip_grad_norm = 1.0")
+                      _write("clip_grad_norm", meant if meant is not None and meant >= 0 else None, 1.0) +
+                      ("" if meant is not None and meant >= 0 else " (0 turns clipping off)"))
 
     def gradient_accumulation(self, value):
         if value == "auto":
             return
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            self.fail(("gradient_accumulation",), f"expected a positive int (micro-batches per optimizer step) or 'auto', got {value!r}",
-                      "write gradient_accumulation = 4")
+            meant = as_choice(value, ("auto",)) if isinstance(value, str) and value.strip().isalpha() else as_positive_int(value)
+            if meant is None and value == 0:
+                meant = 1  # 0 micro-batches of accumulation: the user means none
+            self.fail(("gradient_accumulation",), f"expected a positive int (micro-batches per optimizer step) or 'auto', "
+                      f"got {value!r}", _write("gradient_accumulation", meant, 4))
 
     def _bool_key(self, key, value):
         if not _is_bool(value):
-            self.fail((key,), f"expected True or False, got {value!r}", f"write {key} = True")
+            self.fail((key,), f"expected True or False, got {value!r}", _write(key, as_bool(value), True))
 
     def cudnn_benchmark(self, value):
         self._bool_key("cudnn_benchmark", value)
@@ -113,7 +141,7 @@ class _Checker:
     def torch_ddp(self, value):
         if not isinstance(value, dict):
             self.fail(("torch_ddp",), f"expected a dict of DistributedDataParallel keyword arguments, got {type(value).__name__}",
-                      "write torch_ddp = dict(find_unused_parameters=True)")
+                      "write e.g. torch_ddp = dict(find_unused_parameters=True)")
         from torch.nn.parallel import DistributedDataParallel
 
         params = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
@@ -128,19 +156,19 @@ class _Checker:
     def gradient_handler(self, value):
         if not isinstance(value, (list, tuple)):
             got = "a single dict" if isinstance(value, dict) else type(value).__name__
-            self.fail(("gradient_handler",), f"expected a list of dicts, got {got}",
-                      "write gradient_handler = [dict(type='DataParallelGradientHandler')]")
+            self.fail(("gradient_handler",), f"expected a list of dicts, got {got}", _handler_fix([value]))
         for item in value:
             if not isinstance(item, dict) or "type" not in item:
-                self.fail(("gradient_handler",), f"each entry must be a dict with a 'type', got {item!r}",
-                          "write gradient_handler = [dict(type='DataParallelGradientHandler')]")
+                self.fail(("gradient_handler",), f"each entry must be a dict with a 'type', got {item!r}", _handler_fix(value))
             if item["type"] not in GRADIENT_HANDLERS:
                 self.fail(("gradient_handler",), f"unknown handler type {item['type']!r}",
-                          f"use one of {', '.join(GRADIENT_HANDLERS)} (tensor/pipeline/MoE handlers are not supported)")
+                          f"use one of {', '.join(GRADIENT_HANDLERS)}{self._suggest(str(item['type']), GRADIENT_HANDLERS)} "
+                          f"(tensor/pipeline/MoE handlers are not supported)")
             extra = set(item) - {"type", "bucket_size_mb"}
             if extra:
+                hints = "".join(self._suggest(k, ("bucket_size_mb",)) for k in sorted(extra))
                 self.fail(("gradient_handler",), f"unknown option(s) {sorted(extra)} for {item['type']}",
-                          "remove them (accepted: type, bucket_size_mb)")
+                          f"remove them{hints} (accepted: type, bucket_size_mb)")
 
     def parallel(self, value):
         if not isinstance(value, dict):
@@ -157,7 +185,9 @@ class _Checker:
 
     def zero(self, value):
         if not isinstance(value, dict):
-            self.fail(("zero",), f"expected a dict like dict(stage=2), got {type(value).__name__}", "write zero = dict(stage=2)")
+            stage = as_positive_int(value)
+            self.fail(("zero",), f"expected a dict like dict(stage=2), got {type(value).__name__}",
+                      _write("zero", dict(stage=stage) if stage in (1, 2, 3) else None, dict(stage=2)))
         if "model_config" in value or "optimizer_config" in value:
             self.fail(("zero",), "the legacy ShardedModelV2 form (model_config/optimizer_config) is not supported",
                       "write zero = dict(stage=1|2|3) to use torch's ZeroRedundancyOptimizer / FSDP2")
@@ -165,15 +195,18 @@ class _Checker:
             if k not in ZERO_OPTIONS:
                 self.fail(("zero", k), "not an option of zero", f"remove it{self._suggest(k, ZERO_OPTIONS)} (accepted: {', '.join(ZERO_OPTIONS)})")
         if value.get("stage") not in (1, 2, 3):
-            self.fail(("zero", "stage"), f"expected 1, 2 or 3, got {value.get('stage')!r}", "write zero = dict(stage=2)")
+            stage = as_positive_int(value.get("stage"))
+            meant = {**value, "stage": stage} if stage in (1, 2, 3) else None
+            self.fail(("zero", "stage"), f"expected 1, 2 or 3, got {value.get('stage')!r}",
+                      _write("zero", meant, {**value, "stage": 2}))
 
     def dist_timeout(self, value):
         if not _is_number(value) or value <= 0:
-            self.fail(("dist_timeout",), f"expected seconds > 0, got {value!r}", "write dist_timeout = 300")
+            self.fail(("dist_timeout",), f"expected seconds > 0, got {value!r}", _write("dist_timeout", as_seconds(value), 300))
 
     def _positive_int(self, key, value):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            self.fail((key,), f"expected a positive int, got {value!r}", f"write {key} = 32")
+            self.fail((key,), f"expected a positive int, got {value!r}", _write(key, as_positive_int(value), 32))
 
     def micro_batch_size(self, value):
         self._positive_int("micro_batch_size", value)
@@ -182,19 +215,33 @@ class _Checker:
         self._positive_int("global_batch_size", value)
 
     def grad_reduction(self, value):
-        if value not in ("mean", "sum", "per-token-mean"):
-            self.fail(("grad_reduction",), f"expected 'mean', 'sum' or 'per-token-mean', got {value!r}", "write grad_reduction = 'mean'")
+        choices = ("mean", "sum", "per-token-mean")
+        if value not in choices:
+            meant = as_choice(value, choices, {"avg": "mean", "average": "mean", "token-mean": "per-token-mean"})
+            self.fail(("grad_reduction",), f"expected 'mean', 'sum' or 'per-token-mean', got {value!r}",
+                      _write("grad_reduction", meant, "mean"))
+
+    def nonfinite_loss(self, value):
+        choices = ("raise", "skip", "ignore")
+        if value not in choices:
+            meant = as_choice(value, choices, {"error": "raise", "fail": "raise", "stop": "raise", "skip-step": "skip",
+                                               "none": "ignore", "off": "ignore"})
+            self.fail(("nonfinite_loss",), f"expected 'raise', 'skip' or 'ignore' (what to do when a loss is inf or "
+                      f"NaN), got {value!r}", _write("nonfinite_loss", meant, "raise"))
 
     def compile(self, value):
         if _is_bool(value):
             return
-        if not isinstance(value, dict):
-            self.fail(("compile",), f"expected True/False or a dict of torch.compile options, got {type(value).__name__}",
-                      "write compile = dict(mode='default')")
         allowed = {"mode", "fullgraph", "dynamic", "backend", "options"}
+        if not isinstance(value, dict):
+            mode = as_choice(value, COMPILE_MODES)
+            meant = dict(mode=mode) if mode else as_bool(value) if isinstance(value, int) else None
+            self.fail(("compile",), f"expected True/False or a dict of torch.compile options, got {type(value).__name__}",
+                      _write("compile", meant, dict(mode="default")))
         for k in value:
             if k not in allowed:
-                self.fail(("compile", k), "not an option of torch.compile", f"remove it (accepted: {', '.join(sorted(allowed))})")
+                self.fail(("compile", k), "not an option of torch.compile",
+                          f"remove it{self._suggest(k, allowed)} (accepted: {', '.join(sorted(allowed))})")
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
@@ -203,11 +250,52 @@ class _Checker:
         return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def _write(key: str, meant, stock, sep: str = " = ") -> str:
+    """The fix: the value the user meant when it can be told, else a stock example."""
+    if meant is not None:
+        return f"write {key}{sep}{py(meant)}"
+    return f"write e.g. {key}{sep}{py(stock)}"
+
+
+def _mode_of_options(options: dict) -> Optional[AMP_TYPE]:
+    """The one precision mode that takes all of ``options``, if exactly one does."""
+    fits = [m for m, opts in ((AMP_TYPE.TORCH, TORCH_AMP_OPTIONS), (AMP_TYPE.NAIVE, NAIVE_AMP_OPTIONS))
+            if set(options) <= set(opts)]
+    return fits[0] if len(fits) == 1 else None
+
+
+def _apex_fix(opt_level) -> str:
+    """apex O1 is torch autocast + GradScaler; O2/O3 keep fp16 weights, like NAIVE."""
+    level = str(opt_level).strip().upper() if opt_level is not None else ""
+    if level == "O1":
+        return "write mode=AMP_TYPE.TORCH (torch autocast + GradScaler, what apex O1 does) and drop opt_level"
+    if level in ("O2", "O3"):
+        return f"write mode=AMP_TYPE.NAIVE (fp16 weights with fp32 master weights, like apex {level}) and drop opt_level"
+    return "use AMP_TYPE.TORCH (torch autocast + GradScaler, the same O1 behaviour) or AMP_TYPE.NAIVE (O3-like)"
+
+
+def _handler_fix(entries) -> str:
+    """``gradient_handler = [dict(type=..., ...)]`` built from what the user wrote (a dict, a name, a list of them)."""
+    fixed = []
+    for entry in entries:
+        if isinstance(entry, str):
+            name = next((h for h in GRADIENT_HANDLERS if h.lower() == entry.strip().lower()), None)
+            entry = dict(type=name) if name else None
+        elif isinstance(entry, dict):
+            entry = {"type": "DataParallelGradientHandler", **entry}
+        else:
+            entry = None
+        if entry is None:
+            return "write gradient_handler = [dict(type='DataParallelGradientHandler')]"
+        fixed.append(entry)
+    return f"write gradient_handler = {py(fixed)}"
+
+
 # The feature keys; each has a check of the same name on _Checker.
 FEATURE_KEYS = (
     "fp16", "clip_grad_norm", "gradient_accumulation", "cudnn_benchmark", "cudnn_deterministic", "torch_ddp",
     "gradient_handler", "parallel", "zero", "dist_timeout", "micro_batch_size", "global_batch_size",
-    "grad_reduction", "compile",
+    "grad_reduction", "compile", "nonfinite_loss",
 )
 
 
@@ -220,7 +308,9 @@ def normalize_amp_mode(mode, fail: Optional[Callable[[str, str], None]] = None) 
             if mode.lower() in (m.value, m.name.lower()):
                 return m
     problem = f"unknown precision mode {mode!r}"
-    fix = "use AMP_TYPE.TORCH, AMP_TYPE.BF16, AMP_TYPE.NAIVE or None (from colossal_lite.amp import AMP_TYPE)"
+    meant = amp_mode_meant(mode)
+    fix = (f"write mode={meant}" + (" (from colossal_lite.amp import AMP_TYPE)" if meant != "None" else "") if meant else
+           "use AMP_TYPE.TORCH, AMP_TYPE.BF16, AMP_TYPE.NAIVE or None (from colossal_lite.amp import AMP_TYPE)")
     if fail is not None:
         fail(problem, fix)
     raise ConfigException(f"{problem}. Fix: {fix}")
@@ -236,10 +326,7 @@ def validate_config(config: Config) -> List[str]:
         if key in FEATURE_KEYS:
             getattr(checker, key)(value)
             continue
-        meant = ALIASES.get(key) or (difflib.get_close_matches(key, FEATURE_KEYS, n=1, cutoff=0.8) or [None])[0]
-        if meant is not None:
-            checker.fail((key,), "is not a colossal_lite config key, so it would be silently ignored",
-                         f"rename it to '{meant}'")
+        _check_unknown_key(checker, key)
     # a feature dict nested inside another top-level dict does nothing (CONFIG = dict(fp16=...))
     for key, value in config.items():
         if isinstance(key, str) and key not in FEATURE_KEYS and isinstance(value, dict):
@@ -254,6 +341,28 @@ def validate_config(config: Config) -> List[str]:
                      "remove one of 'torch_ddp' and 'gradient_handler'")
     _check_combinations(checker, config)
     return notes
+
+
+def _meant_key(key: str) -> Optional[str]:
+    """The feature key a lowercase name that is not one most likely meant: an alias or a close misspelling."""
+    return ALIASES.get(key) or (difflib.get_close_matches(key, FEATURE_KEYS, n=1, cutoff=0.8) or [None])[0]
+
+
+def _check_unknown_key(checker: _Checker, key: str):
+    """A name that is not a feature key is the user's own, unless it is a near-miss of one.
+
+    Names are compared in lowercase, so a mixed-case name (``Clip_Grad_Norm``) that means a feature
+    key is refused like a misspelling; only all-UPPERCASE names are kept unchecked.
+    """
+    lowered = key.lower()
+    meant = lowered if lowered in FEATURE_KEYS else _meant_key(lowered)
+    if meant is None:
+        return
+    if lowered != key:
+        checker.fail((key,), "is not a colossal_lite config key: feature keys are lowercase, so this mixed-case name "
+                     "would be silently ignored", f"rename it to '{meant}' (or write {key.upper()} in UPPERCASE to "
+                     f"keep it as your own value)")
+    checker.fail((key,), "is not a colossal_lite config key, so it would be silently ignored", f"rename it to '{meant}'")
 
 
 def _check_combinations(checker: _Checker, config: Config):

@@ -257,8 +257,13 @@ def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, ad
 
     With ``add_sampler`` (the default) it is a ``ResumableDataLoader`` over a ``DataParallelSampler``,
     whose ``state_dict``/``load_state_dict`` let a run continue mid-epoch. Each worker of each rank
-    gets its own seed, reproducible from ``seed``.
+    gets its own seed, reproducible from ``seed``. Without ``batch_size`` (or ``batch_sampler``) the
+    batch size is the config's ``micro_batch_size`` when it has one, so the config's batch arithmetic
+    describes this loader.
     """
+    micro = gpc.config.get("micro_batch_size") if gpc.config is not None else None
+    if micro is not None and "batch_size" not in kwargs and "batch_sampler" not in kwargs:
+        kwargs["batch_size"] = micro
     rank = gpc.get_global_rank()
     world_size = gpc.get_world_size()
     generator = torch.Generator()

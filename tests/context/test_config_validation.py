@@ -39,9 +39,9 @@ BAD_CONFIGS = [
     ("clip-string", "clip_grad_norm = '1.0'\n", 4, "clip_grad_norm", "number >= 0", "clip_grad_norm = 1.0"),
     ("clip-bool", "clip_grad_norm = True\n", 4, "clip_grad_norm", "number >= 0", "clip_grad_norm = 1.0"),
     # gradient_accumulation
-    ("accum-zero", "gradient_accumulation = 0\n", 4, "gradient_accumulation", "positive int", "gradient_accumulation = 4"),
+    ("accum-zero", "gradient_accumulation = 0\n", 4, "gradient_accumulation", "positive int", "write gradient_accumulation = 1"),
     ("accum-float", "gradient_accumulation = 2.5\n", 4, "gradient_accumulation", "positive int",
-     "gradient_accumulation = 4"),
+     "write e.g. gradient_accumulation = 4"),
     # cudnn
     ("cudnn-benchmark-int", "cudnn_benchmark = 1\n", 4, "cudnn_benchmark", "True or False", "cudnn_benchmark = True"),
     ("cudnn-deterministic-str", "cudnn_deterministic = 'yes'\n", 4, "cudnn_deterministic", "True or False",
@@ -58,7 +58,7 @@ BAD_CONFIGS = [
     ("handler-dict", "gradient_handler = dict(type='DataParallelGradientHandler')\n", 4, "gradient_handler",
      "list of dicts, got a single dict", "gradient_handler = [dict(type='DataParallelGradientHandler')]"),
     ("handler-no-type", "gradient_handler = [dict(bucket_size_mb=10)]\n", 4, "gradient_handler", "with a 'type'",
-     "gradient_handler = [dict(type='DataParallelGradientHandler')]"),
+     "gradient_handler = [dict(type='DataParallelGradientHandler', bucket_size_mb=10)]"),
     ("handler-unknown", "gradient_handler = [dict(type='ZeROGradientHandler')]\n", 4, "gradient_handler",
      "unknown handler type 'ZeROGradientHandler'", "DataParallelGradientHandler"),
     ("handler-option", "gradient_handler = [dict(type='DataParallelGradientHandler', bucket_mb=1)]\n", 4,
@@ -76,7 +76,7 @@ BAD_CONFIGS = [
     # zero
     ("zero-legacy-form", "zero = dict(\n    model_config=dict(),\n    optimizer_config=dict(),\n)\n", 4, "zero",
      "legacy ShardedModelV2 form", "zero = dict(stage=1|2|3)"),
-    ("zero-stage", "zero = dict(stage=4)\n", 4, "zero.stage", "expected 1, 2 or 3", "zero = dict(stage=2)"),
+    ("zero-stage", "zero = dict(stage=4)\n", 4, "zero.stage", "expected 1, 2 or 3", "write e.g. zero = dict(stage=2)"),
     ("zero-option", "zero = dict(stage=1, offload_optimiser=True)\n", 4, "zero.offload_optimiser", "not an option of zero",
      "did you mean 'offload_optimizer'"),
     ("zero-not-dict", "zero = 2\n", 4, "zero", "expected a dict", "zero = dict(stage=2)"),
@@ -91,6 +91,77 @@ BAD_CONFIGS = [
      "rename it to 'cudnn_benchmark'"),
     # keys of later issues, validated already
     ("dist-timeout", "dist_timeout = 0\n", 4, "dist_timeout", "seconds > 0", "dist_timeout = 300"),
+    # the fix shows the value the user meant when it can be told from the value written
+    ("accum-string", "gradient_accumulation = '8'\n", 4, "gradient_accumulation", "got '8'", "write gradient_accumulation = 8"),
+    ("accum-whole-float", "gradient_accumulation = 8.0\n", 4, "gradient_accumulation", "got 8.0",
+     "write gradient_accumulation = 8"),
+    ("accum-auto-case", "gradient_accumulation = 'Auto'\n", 4, "gradient_accumulation", "got 'Auto'",
+     "write gradient_accumulation = 'auto'"),
+    ("fp16-string-mode", "fp16 = 'bf16'\n", 4, "fp16", "expected a dict", "write fp16 = dict(mode=AMP_TYPE.BF16)"),
+    ("fp16-enum-mode", "fp16 = AMP_TYPE.NAIVE\n", 4, "fp16", "expected a dict", "write fp16 = dict(mode=AMP_TYPE.NAIVE)"),
+    ("fp16-false", "fp16 = False\n", 4, "fp16", "expected a dict", "write fp16 = None (fp32)"),
+    ("fp16-no-mode-naive-options", "fp16 = dict(initial_scale=1024.0, hysteresis=3)\n", 4, "fp16", "missing 'mode'",
+     "write fp16 = dict(mode=AMP_TYPE.NAIVE, initial_scale=1024.0, hysteresis=3)"),
+    ("fp16-mode-synonym", "fp16 = dict(mode='bfloat16')\n", 4, "fp16.mode", "unknown precision mode 'bfloat16'",
+     "write mode=AMP_TYPE.BF16"),
+    ("fp16-mode-misspelt", "fp16 = dict(mode='nave')\n", 4, "fp16.mode", "unknown precision mode 'nave'",
+     "write mode=AMP_TYPE.NAIVE"),
+    ("fp16-apex-O2", "fp16 = dict(mode=AMP_TYPE.APEX, opt_level='O2')\n", 4, "fp16.mode", "apex",
+     "write mode=AMP_TYPE.NAIVE"),
+    ("fp16-option-of-naive", "fp16 = dict(mode=AMP_TYPE.TORCH, hysteresis=2)\n", 4, "fp16.hysteresis",
+     "not an option of mode TORCH", "'hysteresis' is an option of mode=AMP_TYPE.NAIVE"),
+    ("fp16-bool-word", "fp16 = dict(mode=AMP_TYPE.TORCH, enabled='False')\n", 4, "fp16.enabled", "True or False",
+     "write enabled=False"),
+    ("fp16-interval-string", "fp16 = dict(mode=AMP_TYPE.TORCH, growth_interval='500')\n", 4, "fp16.growth_interval",
+     "positive int", "write growth_interval=500"),
+    ("fp16-scale-string", "fp16 = dict(mode=AMP_TYPE.NAIVE, initial_scale='1024')\n", 4, "fp16.initial_scale",
+     "positive number", "write initial_scale=1024"),
+    ("fp16-backoff-inverted", "fp16 = dict(mode=AMP_TYPE.TORCH, backoff_factor=4)\n", 4, "fp16.backoff_factor",
+     "between 0 and 1", "write backoff_factor=0.25"),
+    ("fp16-growth-inverted", "fp16 = dict(mode=AMP_TYPE.TORCH, growth_factor=0.25)\n", 4, "fp16.growth_factor",
+     "must be > 1", "write growth_factor=4.0"),
+    ("clip-string-value", "clip_grad_norm = '0.5'\n", 4, "clip_grad_norm", "got '0.5'", "write clip_grad_norm = 0.5"),
+    ("cudnn-int-false", "cudnn_benchmark = 0\n", 4, "cudnn_benchmark", "True or False", "write cudnn_benchmark = False"),
+    ("cudnn-word-false", "cudnn_deterministic = 'no'\n", 4, "cudnn_deterministic", "True or False",
+     "write cudnn_deterministic = False"),
+    ("handler-dict-options", "gradient_handler = dict(type='DataParallelGradientHandler', bucket_size_mb=8)\n", 4,
+     "gradient_handler", "got a single dict", "write gradient_handler = [dict(type='DataParallelGradientHandler', bucket_size_mb=8)]"),
+    ("handler-name", "gradient_handler = ['DataParallelGradientHandler']\n", 4, "gradient_handler", "with a 'type'",
+     "write gradient_handler = [dict(type='DataParallelGradientHandler')]"),
+    ("handler-misspelt", "gradient_handler = [dict(type='DataParalelGradientHandler')]\n", 4, "gradient_handler",
+     "unknown handler type", "did you mean 'DataParallelGradientHandler'"),
+    ("zero-int", "zero = 3\n", 4, "zero", "expected a dict", "write zero = dict(stage=3)"),
+    ("zero-stage-string", "zero = dict(stage='3', offload_optimizer=True)\n", 4, "zero.stage", "got '3'",
+     "write zero = dict(stage=3, offload_optimizer=True)"),
+    ("dist-timeout-string", "dist_timeout = '600'\n", 4, "dist_timeout", "got '600'", "write dist_timeout = 600"),
+    ("micro-batch-string", "micro_batch_size = '16'\n", 4, "micro_batch_size", "positive int", "write micro_batch_size = 16"),
+    ("global-batch-float", "global_batch_size = 64.0\n", 4, "global_batch_size", "positive int",
+     "write global_batch_size = 64"),
+    ("micro-batch-zero", "micro_batch_size = 0\n", 4, "micro_batch_size", "positive int", "write e.g. micro_batch_size = 32"),
+    ("grad-reduction-case", "grad_reduction = 'Sum'\n", 4, "grad_reduction", "got 'Sum'", "write grad_reduction = 'sum'"),
+    ("grad-reduction-avg", "grad_reduction = 'avg'\n", 4, "grad_reduction", "got 'avg'", "write grad_reduction = 'mean'"),
+    ("grad-reduction-underscores", "grad_reduction = 'per_token_mean'\n", 4, "grad_reduction", "got 'per_token_mean'",
+     "write grad_reduction = 'per-token-mean'"),
+    ("compile-mode-string", "compile = 'max-autotune'\n", 4, "compile", "expected True/False or a dict",
+     "write compile = dict(mode='max-autotune')"),
+    ("compile-int", "compile = 1\n", 4, "compile", "expected True/False or a dict", "write compile = True"),
+    ("compile-option", "compile = dict(mod='default')\n", 4, "compile.mod", "not an option of torch.compile",
+     "did you mean 'mode'"),
+    # nonfinite_loss
+    ("nonfinite-unknown", "nonfinite_loss = 'warn'\n", 4, "nonfinite_loss", "expected 'raise', 'skip' or 'ignore'",
+     "write e.g. nonfinite_loss = 'raise'"),
+    ("nonfinite-case", "nonfinite_loss = 'Skip'\n", 4, "nonfinite_loss", "got 'Skip'", "write nonfinite_loss = 'skip'"),
+    ("nonfinite-error", "nonfinite_loss = 'error'\n", 4, "nonfinite_loss", "got 'error'", "write nonfinite_loss = 'raise'"),
+    ("nonfinite-bool", "nonfinite_loss = True\n", 4, "nonfinite_loss", "got True", "write e.g. nonfinite_loss = 'raise'"),
+    # mixed-case names of feature keys: meant as the feature, so refused like a misspelling
+    ("mixed-clip", "Clip_Grad_Norm = 1.0\n", 4, "Clip_Grad_Norm", "feature keys are lowercase",
+     "rename it to 'clip_grad_norm' (or write CLIP_GRAD_NORM in UPPERCASE"),
+    ("mixed-accum", "Gradient_Accumulation = 4\n", 4, "Gradient_Accumulation", "feature keys are lowercase",
+     "rename it to 'gradient_accumulation'"),
+    ("mixed-fp16", "Fp16 = dict(mode=AMP_TYPE.TORCH)\n", 4, "Fp16", "feature keys are lowercase", "rename it to 'fp16'"),
+    ("mixed-camel", "ClipGradNorm = 1.0\n", 4, "ClipGradNorm", "feature keys are lowercase", "rename it to 'clip_grad_norm'"),
+    ("mixed-alias", "Gradient_Clipping = 1.0\n", 4, "Gradient_Clipping", "feature keys are lowercase",
+     "rename it to 'clip_grad_norm'"),
 ]
 
 
@@ -139,6 +210,12 @@ def test_uppercase_names_are_never_rejected(tmp_path):
         """))
     cfg = load_config(path)
     assert cfg.FP16 == 3 and cfg.PARALLEL.tensor.size == 8 and cfg.GRAD_ACCUMULATION == -1
+
+
+def test_mixed_case_names_that_mean_no_feature_key_are_the_users_own(tmp_path):
+    path = _write(tmp_path, "Model = dict(depth=18)\nlearningRate = 0.1\nTrain_Config = dict(LR=0.1)\n")
+    cfg = load_config(path)
+    assert cfg.Model.depth == 18 and cfg.learningRate == 0.1
 
 
 def test_free_lowercase_hyper_parameters_are_accepted(tmp_path):

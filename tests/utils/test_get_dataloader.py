@@ -62,3 +62,21 @@ def test_each_worker_gets_its_own_reproducible_seed():
     assert not torch.equal(a, c)
     # items 0 and 1 come from different workers: every generator differs between them
     assert (a[0] != a[1]).all()
+
+
+def test_batch_size_comes_from_micro_batch_size_unless_given():
+    import colossal_lite
+    from colossal_lite.core import global_context as gpc
+
+    data = torch.utils.data.TensorDataset(torch.arange(40))
+    gpc.destroy()
+    try:
+        colossal_lite.launch_from_torch(config=dict(micro_batch_size=8, gradient_accumulation=2), verbose=False)
+        loader = get_dataloader(data)
+        assert loader.batch_size == 8 and [len(b) for (b,) in loader] == [8] * 5
+        assert get_dataloader(data, batch_size=4).batch_size == 4  # an explicit batch size wins
+        own = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(data), 10, False)
+        assert [len(b) for (b,) in get_dataloader(data, batch_sampler=own, add_sampler=False)] == [10] * 4
+    finally:
+        gpc.destroy()
+    assert get_dataloader(data).batch_size == 1  # no config: torch's default, as before
