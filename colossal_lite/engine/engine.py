@@ -77,7 +77,6 @@ class Engine:
         if grad_reduction not in ("mean", "sum", "per-token-mean"):
             raise ValueError(f"grad_reduction must be 'mean', 'sum' or 'per-token-mean', got {grad_reduction!r}")
         self.grad_reduction = grad_reduction
-        self.nonfinite_loss = nonfinite_loss
         self._world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self._micro_tokens: Optional[torch.Tensor] = None
         self.auto_batcher = None  # an AutoMicroBatcher with gradient_accumulation='auto'
