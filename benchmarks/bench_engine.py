@@ -15,6 +15,7 @@ How it is measured (this machine is shared and noisy; instances of the same mode
 
     python benchmarks/bench_engine.py [--epochs 8] [--epoch-steps 600] [--block 20] [--runs 5]
                                       [--width 512] [--batch-size 64] [--hooks loss,acc,lr,step] [--no-progress]
+                                      [--nonfinite-loss raise|skip|ignore]
 
 ``--hooks`` and ``--no-progress`` change only the Trainer (the other contestants stay as they are): an
 ablation of what each hook and the display cost, e.g. ``--hooks '' --no-progress`` for the bare loop.
@@ -63,6 +64,11 @@ class Workload:
     num_batches: int = 16  # distinct batches, cycled (made once, outside the timed region)
     hooks: Tuple[str, ...] = HOOK_NAMES  # the Trainer's hooks (``--hooks``: an ablation leaves some out)
     progress: bool = True  # the Trainer's progress display (plain lines to /dev/null)
+    nonfinite_loss: str = "raise"  # the config key for the engine and the Trainer (``--nonfinite-loss``)
+
+    def config(self) -> dict:
+        return dict(gradient_accumulation=self.accumulation, clip_grad_norm=self.clip,
+                    nonfinite_loss=self.nonfinite_loss)
 
     def model(self) -> nn.Module:
         torch.manual_seed(0)  # every contestant starts from the same weights
@@ -120,8 +126,7 @@ def build_hand(w: Workload) -> Tuple[MicroStep, nn.Module]:
 def build_engine(w: Workload) -> Tuple[MicroStep, nn.Module]:
     import colossal_lite
 
-    colossal_lite.launch_from_torch(config=dict(gradient_accumulation=w.accumulation, clip_grad_norm=w.clip),
-                                    verbose=False)
+    colossal_lite.launch_from_torch(config=w.config(), verbose=False)
     model = w.model()
     engine, *_ = colossal_lite.initialize(model, w.optimizer(model), nn.CrossEntropyLoss(), verbose=False)
     return engine_loop(engine), engine.unwrapped_model
@@ -134,8 +139,7 @@ def trainer_setup(w: Workload):
     from colossal_lite.nn.metric import Accuracy
     from colossal_lite.trainer import hooks
 
-    colossal_lite.launch_from_torch(config=dict(gradient_accumulation=w.accumulation, clip_grad_norm=w.clip),
-                                    verbose=False)
+    colossal_lite.launch_from_torch(config=w.config(), verbose=False)
     model = w.model()
     optimizer = w.optimizer(model)
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -322,7 +326,7 @@ def median_ci(values: List[float]) -> Tuple[float, float, float]:
 
 def workload(args) -> Workload:
     return Workload(in_features=args.width, hidden=args.width, batch_size=args.batch_size,
-                    hooks=tuple(args.hooks), progress=not args.no_progress)
+                    hooks=tuple(args.hooks), progress=not args.no_progress, nonfinite_loss=args.nonfinite_loss)
 
 
 def describe_trainer(w: Workload) -> str:
@@ -385,7 +389,7 @@ def measure_in_processes(args) -> None:
     for i in range(args.runs):
         cmd = [sys.executable, os.path.abspath(__file__), "--epochs", str(args.epochs), "--epoch-steps",
                str(args.epoch_steps), "--block", str(args.block), "--width", str(args.width), "--batch-size",
-               str(args.batch_size), "--hooks", ",".join(args.hooks), "--json"]
+               str(args.batch_size), "--hooks", ",".join(args.hooks), "--nonfinite-loss", args.nonfinite_loss, "--json"]
         if args.no_progress:
             cmd.append("--no-progress")
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -415,6 +419,8 @@ def main():
                         help=f"the Trainer's hooks, comma-separated from {','.join(HOOK_NAMES)} (default: all; "
                              f"'' for none): an ablation of what each costs")
     parser.add_argument("--no-progress", action="store_true", help="the Trainer without its progress display")
+    parser.add_argument("--nonfinite-loss", default="raise", choices=("raise", "skip", "ignore"),
+                        help="config nonfinite_loss of the engine and the Trainer ('ignore': without the loss guard)")
     parser.add_argument("--runs", type=int, default=1, help="fresh processes to measure in (median over them)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
