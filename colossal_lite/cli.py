@@ -1,18 +1,57 @@
-"""The ``colossal-lite`` command: ``info``, ``check CONFIG.py``."""
+"""The ``colossal-lite`` command: ``info``, ``check CONFIG.py``, ``ckpt ...``, ``--version``."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
+
+import torch
+
+from ._version import __version__
+
+# A reader that stops early (``colossal-lite ckpt info DIR | head -1``) closes the pipe. The command then
+# stops quietly with the status a shell gives any tool stopped by SIGPIPE (128 + 13), as ``cat`` or ``grep``
+# would: a script with ``set -o pipefail`` sees the same as for them, and no caller mistakes the cut-short
+# output for a complete one (status 0 would claim it was all delivered).
+BROKEN_PIPE_STATUS = 141
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush at exit has nowhere to fail."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # not a real file (an in-process capture): nothing is flushed at exit
+        pass
+
+
+def quiet_on_broken_pipe(main_fn: Callable[[Optional[List[str]]], int]) -> Callable[[Optional[List[str]]], int]:
+    """Wrap a command's ``main(argv)``: a reader that closed stdout early ends it with ``BROKEN_PIPE_STATUS``
+    and no traceback. Output still in the buffer is flushed here, where the error can be caught."""
+    @functools.wraps(main_fn)
+    def main(argv: Optional[List[str]] = None) -> int:
+        try:
+            try:
+                return main_fn(argv)
+            finally:  # also after ``--help`` or ``--version``, which end in SystemExit
+                sys.stdout.flush()
+        except BrokenPipeError:
+            _stdout_to_devnull()
+            return BROKEN_PIPE_STATUS
+
+    return main
+
+
+def version_text() -> str:
+    """``colossal_lite 0.1.0 (torch 2.6.0, Python 3.11.7)``."""
+    return f"colossal_lite {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
 
 
 def _info() -> int:
-    import torch
-
-    from . import __version__
-
     cuda = torch.cuda.is_available()
     lines = [
         f"colossal_lite: {__version__}",
@@ -65,15 +104,18 @@ def _check(path: str, world_size: int = 1) -> int:
     return 0
 
 
+@quiet_on_broken_pipe
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="colossal-lite", description="colossal_lite command-line tools")
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print the colossal_lite, torch and Python versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions of Python, torch, CUDA/NCCL, CPUs, GPUs and extras")
     p = sub.add_parser("check", help="validate a config file and explain the features it switches on")
     p.add_argument("config", help="path to a config .py file")
     p.add_argument("--world-size", type=int, default=1,
                    help="data-parallel size to check the batch-size arithmetic against (default 1)")
-    from .checkpoint import cli as ckpt_cli
+    from .checkpoint import cli as ckpt_cli  # here: checkpoint.cli imports this module (quiet_on_broken_pipe)
 
     ckpt_cli.register(sub)
     args = parser.parse_args(argv)

@@ -1,4 +1,7 @@
-"""``colossal-lite check`` and ``colossal-lite info``; every file in configs/ passes ``check``."""
+"""``colossal-lite check``, ``info`` and ``--version``; every file in configs/ passes ``check``; a reader that
+stops early (``| head``) ends any command quietly."""
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -6,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import colossal_lite
 from colossal_lite.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
+BROKEN_PIPE_STATUS = 128 + signal.SIGPIPE  # what a shell reports for a tool stopped by a closed pipe: 141
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
 
 
@@ -127,3 +132,84 @@ def test_usage_errors_exit_2(capsys):
         main(["check"])
     assert e.value.code == 2
     capsys.readouterr()
+
+
+def cli_env(buffered: bool) -> dict:
+    """This checkout first on the path; stdout block-buffered (the default into a pipe) or unbuffered."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory):
+    """A checkpoint whose ``ckpt info`` text is larger than a pipe holds (64 KiB), so the command is still
+    writing when the reader goes away."""
+    from colossal_lite.checkpoint import CheckpointManager
+
+    folder = tmp_path_factory.mktemp("ckpt")
+    config = {f"KEY_{i:05d}": "x" * 20 for i in range(4000)}
+    CheckpointManager(folder).save("epoch1-step10", {"engine": {"model": torch.nn.Linear(4, 4).state_dict()}},
+                                   {}, {"loss": 0.5}, config=config)
+    return folder
+
+
+def start(args, buffered: bool = True) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=cli_env(buffered), cwd=REPO)
+
+
+def test_ckpt_info_into_a_reader_that_stops_after_one_line(big_checkpoint):
+    """A reader that closes the pipe after one line: exit 141 as for any tool stopped by a closed pipe, nothing
+    on stderr. Here stdout is unbuffered, and the command is ``python -m colossal_lite.checkpoint.cli info
+    PATH``, as docs/checkpoints.md shows it (the shell test below has the buffered ``colossal-lite ckpt``)."""
+    proc = start(["colossal_lite.checkpoint.cli", "info", str(big_checkpoint)], buffered=False)
+    first = proc.stdout.readline().decode()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == BROKEN_PIPE_STATUS, err
+    assert first.startswith(f"checkpoint: {big_checkpoint / 'epoch1-step10'}"), first
+    assert err == ""
+
+
+def test_every_command_into_a_closed_pipe_exits_quietly():
+    """The reader is gone before the command writes anything (the pipe is closed at once): a command's own
+    output, and argparse's (``--version`` ends in SystemExit). The processes run side by side: each spends
+    seconds importing torch."""
+    procs = [start(["colossal_lite.cli", *args]) for args in (["info"], ["--version"])]
+    for proc in procs:
+        proc.stdout.close()
+    for proc in procs:
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == BROKEN_PIPE_STATUS, (proc.args, err)
+        assert err == "", proc.args
+
+
+def test_ckpt_info_piped_to_head_in_a_shell(big_checkpoint):
+    """``colossal-lite ckpt info DIR | head -1`` (stdout block-buffered, as by default into a pipe)."""
+    script = f'{sys.executable} -m colossal_lite.cli ckpt info "{big_checkpoint}" | head -1; echo "status ${{PIPESTATUS[0]}}"'
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, env=cli_env(True))
+    assert proc.stdout.splitlines()[0].startswith("checkpoint: "), proc.stdout
+    assert proc.stdout.splitlines()[1:] == [f"status {BROKEN_PIPE_STATUS}"], proc.stdout
+    assert proc.stderr == ""
+
+
+def test_version_prints_the_package_torch_and_python_versions(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"colossal_lite {colossal_lite.__version__} (torch {torch.__version__}, " \
+                                      f"Python {sys.version.split()[0]})\n"
+
+
+def test_readme_install_takes_the_cpu_torch_before_the_package():
+    """On a CPU-only machine ``pip install -e ".[dev]"`` alone pulls torch's CUDA build: the README's install
+    section installs torch and torchvision from the CPU index first, then the package."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Install, run the example, run the tests", 1)[1].split("\n## ", 1)[0]
+    commands = [line.split("#")[0].strip() for line in section.splitlines() if line.startswith("pip install")]
+    cpu = "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu in commands, commands
+    assert 'pip install -e ".[dev]"' in commands[commands.index(cpu) + 1:], commands

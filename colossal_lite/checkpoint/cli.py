@@ -10,14 +10,21 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from ..cli import quiet_on_broken_pipe
 from .io import format_bytes
+
+DESCRIPTION = "Inspect a checkpoint or export its model weights."
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    """Add ``ckpt info`` and ``ckpt export`` to ``subparsers`` (from ``parser.add_subparsers()``)."""
+    """Add ``ckpt info``, ``ckpt export`` and ``ckpt merge`` to ``subparsers`` (from ``parser.add_subparsers()``)."""
     p = subparsers.add_parser("ckpt", help="inspect a checkpoint or export its model weights",
-                              description="Inspect a checkpoint or export its model weights.")
-    sub = p.add_subparsers(dest="ckpt_command", required=True)
+                              description=DESCRIPTION)
+    _add_commands(p.add_subparsers(dest="ckpt_command", required=True))
+    return p
+
+
+def _add_commands(sub) -> None:
     info = sub.add_parser("info", help="what a checkpoint holds: epoch, step, metrics, config summary, sizes")
     info.add_argument("path", help="a checkpoint folder, a last/best pointer, a checkpoint directory (shows its "
                                    "last) or a save_checkpoint file")
@@ -27,7 +34,6 @@ def register(subparsers) -> argparse.ArgumentParser:
     merge = sub.add_parser("merge", help="turn a sharded (zero stage 2/3) checkpoint into one ordinary file")
     merge.add_argument("path", help="a checkpoint folder, pointer or checkpoint directory written by a sharded run")
     merge.add_argument("out", help="output file: the whole state with full model and optimizer tensors")
-    return p
 
 
 def _short(value: Any, width: int = 70) -> str:
@@ -126,15 +132,23 @@ def run(args: argparse.Namespace) -> int:
             return _export(args.path, args.out)
         if args.ckpt_command == "merge":
             return _merge(args.path, args.out)
+    except BrokenPipeError:
+        raise  # the reader stopped early, nothing went wrong here: main() ends quietly (quiet_on_broken_pipe)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 2
 
 
+@quiet_on_broken_pipe
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="colossal-lite")
-    register(parser.add_subparsers(dest="command", required=True))
+    """``info PATH``, ``export PATH OUT`` or ``merge PATH OUT``; a leading ``ckpt`` (the words that follow
+    ``colossal-lite``) is accepted too."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["ckpt"]:
+        argv = argv[1:]
+    parser = argparse.ArgumentParser(prog="python -m colossal_lite.checkpoint.cli", description=DESCRIPTION)
+    _add_commands(parser.add_subparsers(dest="ckpt_command", required=True))
     return run(parser.parse_args(argv))
 
 

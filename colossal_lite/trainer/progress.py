@@ -1,21 +1,26 @@
 """Progress display for one epoch: a rich bar on a terminal, plain lines otherwise.
 
+Both count batches: the loader's batches, which are micro-batches when gradient accumulation is on
+(the display of an evaluation counts the same way), and say so in their text (``12/45 batches``).
+
 The loop that drives a display calls it (``update(n)``) only when the iterations done reach ``due``
 or the clock reaches ``due_time``, so most iterations cost two comparisons and a clock read, not a
 Python call. ``advance()`` counts one iteration and does the same check, for loops that prefer it.
 The step metrics (device tensors written by ``LogMetricByStepHook``) are turned into numbers only
-when the display refreshes:
-a few times a second for the bar; every ``every_fraction`` of the epoch (or ``every_s`` seconds)
-for plain lines. rich is imported only when the bar is shown.
+when the display refreshes: a few times a second for the bar; at most every ``min_gap_s`` seconds
+(and at the epoch's end) for plain lines. rich is imported only when the bar is shown.
 """
 from __future__ import annotations
 
 import math
 import sys
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 __all__ = ["format_number", "format_step_metrics", "make_progress", "NoProgress", "PlainProgress", "RichProgress"]
+
+UNIT = "batches"  # what the displays count: loader batches (micro-batches with gradient accumulation)
+RATE_UNIT = "batch/s"
 
 
 def to_number(value: Any) -> Any:
@@ -106,15 +111,30 @@ class _Counter(NoProgress):
         eta = (self.total - self.n) / speed if (self.total is not None and speed > 0) else float("nan")
         return speed, eta
 
+    def values(self) -> Dict[str, Any]:
+        """The step metrics as numbers (reads device tensors: call at refresh only)."""
+        return {name: to_number(v) for name, v in (self.states.get("step_metrics") or {}).items()}
+
     def metrics_text(self) -> str:
         return format_step_metrics(self.states.get("step_metrics"))
 
 
+def speed_text(speed: float) -> str:
+    """``'812 batch/s'``, ``'41.3 batch/s'``, ``'0.52 batch/s'``: about three significant digits."""
+    decimals = 0 if speed >= 100 else 1 if speed >= 10 else 2
+    return f"{speed:.{decimals}f} {RATE_UNIT}"
+
+
 class PlainProgress(_Counter):
-    """One line per ``every_fraction`` of the epoch, at least every ``every_s`` seconds, and one at the end."""
+    """Lines for a log file, at a bounded rate: one at each tenth of the epoch (``every_fraction``) that
+    comes at least ``min_gap_s`` after the previous line, one whenever ``every_s`` passes without a line,
+    and always the epoch's last one. A short epoch prints its last line only; a long one a line per tenth,
+    or per ``every_s`` when a tenth takes longer. A loader without a length has no tenths: its lines come by
+    time alone (the loop reads the clock at every iteration anyway, so no count is needed to wake it)."""
 
     every_fraction = 0.1  # of the epoch's iterations
-    every_s = 30.0  # seconds
+    min_gap_s = 10.0  # seconds: fewest between two lines inside an epoch
+    every_s = 30.0  # seconds: most between two lines
 
     def __init__(self, description: str, total: Optional[int], states: Mapping[str, Any], stream=None):
         super().__init__(description, total, states)
@@ -126,18 +146,29 @@ class PlainProgress(_Counter):
         self._set_due()
 
     def _set_due(self) -> None:
-        """The next line: at the next tenth of the epoch, or ``every_s`` after the last line."""
+        """The next check: at the next tenth of the epoch, or ``every_s`` after the last line."""
         self.due = self._next_n if self._next_n is not None else math.inf
         self.due_time = self._last_time + self.every_s
 
     def _check(self, now: float) -> None:
-        if self.n >= self.due or now >= self.due_time:
+        if now >= self.due_time or (self.n >= self.due and now - self._last_time >= self.min_gap_s):
             self._emit(now)
+            return
+        self._pass_marks()  # a tenth reached too soon after the last line: wait for the next tenth
+        self._set_due()
+
+    def _pass_marks(self) -> None:
+        if self._every_n is not None:
+            while self._next_n <= self.n:
+                self._next_n += self._every_n
 
     def _emit(self, now: float) -> None:
         speed, eta = self.speed_and_eta(now)
-        where = f"{self.n}/{self.total} ({100.0 * self.n / self.total:.0f}%)" if self.total else f"{self.n} it"
-        line = f"{self.description} {where}, {speed:.2f} it/s"
+        if self.total:
+            where = f"{self.n}/{self.total} {UNIT} ({100.0 * self.n / self.total:.0f}%)"
+        else:
+            where = f"{self.n} {UNIT}"
+        line = f"{self.description} {where}, {speed_text(speed)}"
         if self.total:
             line += f", ETA {_clock(eta)}"
         metrics = self.metrics_text()
@@ -145,9 +176,7 @@ class PlainProgress(_Counter):
             line += f" | {metrics}"
         print(line, file=self.stream or sys.stdout, flush=True)
         self._last_time, self._last_n = now, self.n
-        if self._every_n is not None:
-            while self._next_n <= self.n:
-                self._next_n += self._every_n
+        self._pass_marks()
         self._set_due()
 
     def close(self, n: Optional[int] = None) -> None:
@@ -157,19 +186,72 @@ class PlainProgress(_Counter):
             self._emit(time.monotonic())
 
 
+SHORT_NAMES = {"accuracy": "acc", "throughput": "tput"}  # the built-in step metrics' long names
+
+
+def compact_number(value: Any) -> str:
+    """Three significant digits, or a whole number from 1000 on: ``0.937``, ``43497``."""
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    return str(value)
+
+
+def info_candidates(rate: str, eta: str, values: Mapping[str, Any]) -> Iterator[str]:
+    """The bar's right-hand text, from the fullest to the shortest: the metrics written in full, then
+    compact, then without the rate, then dropping metrics from the last one (``LogMetricByStepHook``
+    lists the loss first), then the ETA alone (the rate alone without a total), then nothing."""
+    full = [f"{name}={format_number(v)}" for name, v in values.items()]
+    short = [f"{SHORT_NAMES.get(name, name)}={compact_number(v)}" for name, v in values.items()]
+    head = [rate, eta] if eta else [rate]
+    yield " ".join(head + full)
+    yield " ".join(head + short)
+    keep = [eta] if eta else [rate]
+    for k in range(len(short), -1, -1):
+        yield " ".join(keep + short[:k])
+    yield ""
+
+
+def fit_line(width: int, description: str, count: str, candidates: Iterator[str], bar_min: int = 10,
+             bar_max: int = 40) -> Tuple[str, int, str]:
+    """(description, bar width, info) for a line of ``width`` cells with 4 columns and a space between
+    each. The count is always kept; the bar gets at least ``bar_min`` cells (more as the width allows),
+    the info text the fullest candidate that fits beside them; a description that still does not fit is
+    cut with an ellipsis. Whatever is left goes to the bar, up to ``bar_max``."""
+    bar_wanted = max(bar_min, min(bar_max, width // 6))
+    fixed = len(description) + len(count) + 3
+    info = ""
+    for info in candidates:
+        if fixed + bar_wanted + len(info) <= width:
+            break
+    room = width - len(count) - 3 - bar_min - len(info)
+    if len(description) > room:
+        description = description[: max(room - 1, 0)] + "…" if room > 0 else ""
+    bar = min(bar_max, max(bar_min, width - len(description) - len(count) - 3 - len(info)))
+    return description, bar, info
+
+
 class RichProgress(_Counter):
-    """A rich bar (description, bar, step/total, it/s, ETA, step metrics) redrawn every ``refresh_s`` seconds."""
+    """A rich bar (description, bar, count, rate, ETA, step metrics) redrawn every ``refresh_s`` seconds,
+    laid out to fit the console's width at each redraw (see ``fit_line``)."""
 
     refresh_s = 0.25  # seconds between redraws
+    bar_min = 10  # cells: narrower, a bar no longer shows progress at a glance
+    bar_max = 40  # cells: rich's own default
 
     def __init__(self, description: str, total: Optional[int], states: Mapping[str, Any], console=None):
         super().__init__(description, total, states)
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        from rich.progress import BarColumn, Progress, TextColumn
+        from rich.table import Column
 
-        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[metrics]}"),
+        self._bar = BarColumn(bar_width=self.bar_max)
+
+        def text(field: str) -> TextColumn:
+            return TextColumn("{task.%s}" % field, markup=False, table_column=Column(no_wrap=True))
+
+        self._progress = Progress(text("description"), self._bar, text("fields[count]"), text("fields[info]"),
                                   auto_refresh=False, console=console)
-        self._task = self._progress.add_task(description, total=total, rate="", metrics="")
+        self._task = self._progress.add_task(description, total=total, count="", info="")
+        self._layout(self.start, {})  # the first frame fits too (no metrics are read before the first step)
         self._progress.start()
         self._last_time = self.start
         self.due_time = self.start + self.refresh_s  # (``due`` stays inf: the bar redraws by time alone)
@@ -178,10 +260,23 @@ class RichProgress(_Counter):
         if now >= self.due_time:
             self._refresh(now)
 
-    def _refresh(self, now: float) -> None:
+    def count_text(self) -> str:
+        if self.total is None:
+            return f"{self.n} {UNIT}"
+        return f"{self.n:>{len(str(self.total))}}/{self.total} {UNIT}"
+
+    def _layout(self, now: float, values: Mapping[str, Any]) -> None:
+        """Set the columns' text and the bar's width for the console's width now (it can change)."""
         speed, eta = self.speed_and_eta(now)
-        rate = f"{speed:.2f} it/s" + (f" ETA {_clock(eta)}" if self.total else "")
-        self._progress.update(self._task, completed=self.n, rate=rate, metrics=self.metrics_text())
+        count = self.count_text()
+        candidates = info_candidates(speed_text(speed), f"ETA {_clock(eta)}" if self.total else "", values)
+        description, bar, info = fit_line(self._progress.console.width, self.description, count, candidates,
+                                          self.bar_min, self.bar_max)
+        self._bar.bar_width = bar
+        self._progress.update(self._task, completed=self.n, description=description, count=count, info=info)
+
+    def _refresh(self, now: float) -> None:
+        self._layout(now, self.values())
         self._progress.refresh()
         self._last_time = now
         self.due_time = now + self.refresh_s

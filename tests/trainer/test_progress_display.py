@@ -8,8 +8,10 @@ import time
 
 import pytest
 import torch
+from dist_helpers import run_python
 from torch import nn
 
+from colossal_lite.engine.accumulation import AccumulationWindow
 from colossal_lite.engine.engine import Engine
 from colossal_lite.nn.metric import Accuracy
 from colossal_lite.trainer import Trainer, progress
@@ -23,11 +25,11 @@ def make_batches(n, batch_size=4, seed=0):
             for _ in range(n)]
 
 
-def make_engine():
+def make_engine(accumulation=1):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return Engine(model, opt, nn.CrossEntropyLoss())
+    return Engine(model, opt, nn.CrossEntropyLoss(), window=AccumulationWindow(accumulation))
 
 
 def metric_hooks(engine):
@@ -38,20 +40,96 @@ def metric_hooks(engine):
 
 def test_plain_progress_lines_when_stdout_is_not_a_terminal(capsys, monkeypatch):
     monkeypatch.setattr(progress, "stdout_is_terminal", lambda: False)
+    monkeypatch.setattr(progress.PlainProgress, "min_gap_s", 0.0)  # a line at every tenth, however fast
     engine = make_engine()
     Trainer(engine).fit(make_batches(20), epochs=1, test_dataloader=make_batches(3), hooks=metric_hooks(engine),
                         display_progress=True)
     out = capsys.readouterr().out
     assert "\x1b[" not in out  # no terminal control codes
     train = [line for line in out.splitlines() if line.startswith("[Epoch 0 / Train]")]
-    assert [re.match(r"\[Epoch 0 / Train\] (\d+)/20 ", line).group(1) for line in train] == [
+    assert [re.match(r"\[Epoch 0 / Train\] (\d+)/20 batches ", line).group(1) for line in train] == [
         str(n) for n in range(2, 21, 2)]  # every tenth of the epoch
-    assert re.fullmatch(r"\[Epoch 0 / Train\] 2/20 \(10%\), [0-9.]+ it/s, ETA \d+:\d\d:\d\d \| "
+    assert re.fullmatch(r"\[Epoch 0 / Train\] 2/20 batches \(10%\), [0-9.]+ batch/s, ETA \d+:\d\d:\d\d \| "
                         r"loss=[0-9.]+ accuracy=[0-9.]+ lr=0\.1", train[0]), train[0]
     test = [line for line in out.splitlines() if line.startswith("[Epoch 0 / Test]")]
-    assert [line.split(",")[0] for line in test] == ["[Epoch 0 / Test] 1/3 (33%)", "[Epoch 0 / Test] 2/3 (67%)",
-                                                     "[Epoch 0 / Test] 3/3 (100%)"]
+    assert [line.split(",")[0] for line in test] == ["[Epoch 0 / Test] 1/3 batches (33%)",
+                                                     "[Epoch 0 / Test] 2/3 batches (67%)",
+                                                     "[Epoch 0 / Test] 3/3 batches (100%)"]
     assert test[-1].endswith(tuple(f"accuracy={a}" for a in ("0", "0.25", "0.5", "0.75", "1")))
+
+
+REAL_RUN = """
+import sys, time
+import torch
+from torch import nn
+import colossal_lite
+from colossal_lite.trainer import Trainer
+from colossal_lite.trainer.hooks import LossHook, LogMetricByStepHook
+
+colossal_lite.launch_from_torch(config=dict(gradient_accumulation=2), verbose=False)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+g = torch.Generator().manual_seed(0)
+batches = [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(100)]
+engine, train, test, _ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                  nn.CrossEntropyLoss(), batches, batches[:3])
+trainer = Trainer(engine)
+start = time.monotonic()
+trainer.fit(train, epochs=3, test_dataloader=test, hooks=[LossHook(), LogMetricByStepHook()], display_progress=True)
+print(f"done: {trainer.cur_step} optimizer steps in {time.monotonic() - start:.3f} s")
+"""
+
+
+def test_plain_progress_of_a_real_run_into_a_pipe_is_one_line_per_short_epoch(tmp_path):
+    """A few seconds of training into a pipe (as ``script.py > log.txt``): each epoch prints its last line,
+    and no more than one line per ``min_gap_s`` besides; the count says it counts batches, not steps."""
+    script = tmp_path / "run.py"
+    script.write_text(REAL_RUN)
+    out = run_python(script, timeout=120).stdout
+    done = re.search(r"^done: (\d+) optimizer steps in ([0-9.]+) s$", out, re.M)
+    assert done and done.group(1) == "150", out  # 3 epochs of 100 batches, 2 batches per optimizer step
+    extra = int(float(done.group(2)) // progress.PlainProgress.min_gap_s)  # 0 unless this machine crawled
+    train = [line for line in out.splitlines() if "/ Train]" in line]
+    test = [line for line in out.splitlines() if "/ Test]" in line]
+    assert 3 <= len(train) <= 3 + extra and 3 <= len(test) <= 3 + extra, out
+    for epoch in range(3):
+        assert re.search(rf"^\[Epoch {epoch} / Train\] 100/100 batches \(100%\), [0-9.]+ batch/s, ETA 0:00:00 "
+                         r"\| loss=[0-9.]+$", out, re.M), out
+        assert re.search(rf"^\[Epoch {epoch} / Test\] 3/3 batches \(100%\), ", out, re.M), out
+
+
+def test_plain_lines_come_at_tenths_no_closer_than_min_gap(monkeypatch):
+    """Iterations of at least 10 ms: 50 iterations take at least 0.5 s and a tenth (5) at least 50 ms.
+    A gap below a tenth's time prints every tenth; a gap of 120 ms prints fewer, each at a tenth."""
+    class TimedStream(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.times = []
+
+        def write(self, text):
+            if text.strip():
+                self.times.append(time.monotonic())
+            return super().write(text)
+
+    def run(min_gap):
+        monkeypatch.setattr(progress.PlainProgress, "min_gap_s", min_gap)
+        stream = TimedStream()
+        display = progress.PlainProgress("[Epoch 0 / Train]", 50, {}, stream=stream)
+        for _ in range(50):
+            time.sleep(0.01)
+            display.advance()
+        display.close()
+        counts = [int(re.match(r"\[Epoch 0 / Train\] (\d+)/50 batches ", line).group(1))
+                  for line in stream.getvalue().splitlines()]
+        return counts, stream.times, time.monotonic() - display.start
+
+    counts, _, _ = run(0.045)
+    assert counts == list(range(5, 51, 5))
+    counts, times, elapsed = run(0.12)
+    assert counts[-1] == 50 and all(n % 5 == 0 for n in counts), counts
+    assert len(counts) - 1 <= elapsed / 0.12, (counts, elapsed)
+    gaps = [b - a for a, b in zip(times[:-2], times[1:-1])]  # between the lines before the epoch's last one
+    assert all(gap >= 0.12 - 0.005 for gap in gaps), gaps
 
 
 def test_no_progress_output_unless_asked(capsys):
@@ -76,8 +154,96 @@ def test_rich_bar_on_a_terminal_shows_counts_rate_and_metrics(monkeypatch):
     engine = make_engine()
     Trainer(engine).fit(make_batches(3), epochs=1, hooks=metric_hooks(engine), display_progress=True)
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue())
-    assert re.search(r"\[Epoch 0 / Train\] \S+ 3/3 [0-9.]+ it/s ETA 0:00:00 loss=[0-9.]+ accuracy=[0-9.]+ lr=0\.1",
-                     text), text
+    assert re.search(r"\[Epoch 0 / Train\] \S+ 3/3 batches [0-9.]+ batch/s ETA 0:00:00 loss=[0-9.]+ "
+                     r"accuracy=[0-9.]+ lr=0\.1", text), text
+
+
+def frames(raw: str):
+    """The lines a terminal showed: rich redraws its line after a carriage return (and clears it)."""
+    return [f for f in re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw)) if f]
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+@pytest.mark.parametrize("total", [1234, None])
+def test_rich_bar_fits_the_console_width(width, total):
+    """A real rich Console of ``width`` columns: every frame fits, and keeps the count and a bar; the metrics
+    are shortened, then dropped from the last one, before the count or the bar would be."""
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=width, record=True)
+    step_metrics = {"loss": torch.tensor(0.93705), "accuracy": torch.tensor(0.95703), "lr": 0.05,
+                    "throughput": torch.tensor(43497.2)}
+    display = RichProgress("[Epoch 12 / Train]", total, {"step_metrics": step_metrics}, console=console)
+    display.update(567)
+    display.close(1234)
+    shown = frames(buf.getvalue())
+    assert len(shown) >= 2, shown
+    for line in shown:
+        assert len(line) <= width, (width, line)
+        assert re.search(r" [━╸╺]{10,}", line), line  # a bar of 10 cells or more
+    last = shown[-1]
+    assert re.search(r"\[Epoch 12 / Train\] ━+ +1234(/1234)? batches", last), last
+    if total:
+        assert "ETA 0:00:00" in last, last  # the last text to go
+    if width >= 80:
+        assert "loss=0.937" in last, last  # the first metric is the last one dropped
+    if width >= 120:
+        assert "acc=0.957 lr=0.05 tput=43497" in last, last
+    assert console.export_text().count("batches") >= 2  # the record holds the same frames
+
+
+def run_on_a_terminal(script, columns: int, timeout: float = 120) -> str:
+    """Run ``python script`` with its stdout and stderr on a real pseudo-terminal ``columns`` wide; its output."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import subprocess
+    import termios
+
+    from dist_helpers import _env
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = _env({"TERM": "xterm-256color"})
+    env.pop("COLUMNS", None)  # rich would take the width from it instead of the terminal
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=slave, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the process closed its end of the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+        assert proc.wait(timeout=max(deadline - time.monotonic(), 1)) == 0, b"".join(chunks).decode()
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+def test_rich_bar_of_a_real_run_on_an_80_column_terminal(tmp_path):
+    """The same real run (gradient_accumulation=2) on a real 80-column terminal: every frame fits, and shows
+    the bar and the count of batches (100 per epoch, 50 optimizer steps)."""
+    script = tmp_path / "run.py"
+    script.write_text(REAL_RUN)
+    out = run_on_a_terminal(script, 80)
+    assert "done: 150 optimizer steps" in out, out
+    shown = [line for line in frames(out) if " / Train]" in line or " / Test]" in line]
+    assert shown, out
+    for line in shown:
+        assert len(line) <= 80 and re.search(r"[━╸╺]{10,}", line), line
+    for epoch in range(3):
+        assert any(re.match(rf"\[Epoch {epoch} / Train\] [━╸╺]+ +100/100 batches (.* )?ETA 0:00:00 loss=", line)
+                   for line in shown), shown
 
 
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "__format__")
@@ -140,9 +306,12 @@ def test_no_host_device_sync_per_step(monkeypatch, capsys, terminal):
     assert sum(long.values()) > 0  # the counter does see the reads the display makes
 
 
-def test_display_is_updated_rarely_and_still_prints_on_time(monkeypatch):
-    """``update`` runs only when a line or redraw is due: ten times in 20,000 fast iterations (one per line);
+@pytest.mark.parametrize("min_gap, lines", [(0.0, range(2000, 20_001, 2000)), (10.0, [20_000])])
+def test_display_is_updated_rarely_and_still_prints_on_time(monkeypatch, min_gap, lines):
+    """``update`` runs only when a line or redraw may be due: ten times in 20,000 fast iterations (once per
+    tenth), whether the tenth prints (no minimum gap) or not (the default: a fast epoch prints its last line);
     slow iterations still get their time-based lines (an unsized loader has only those)."""
+    monkeypatch.setattr(progress.PlainProgress, "min_gap_s", min_gap)
     out = io.StringIO()
     fast = progress.PlainProgress("[fast]", 20_000, {}, stream=out)
     calls = 0
@@ -158,8 +327,7 @@ def test_display_is_updated_rarely_and_still_prints_on_time(monkeypatch):
         fast.advance()
     fast.close()
     assert calls == 10, calls
-    assert [line.split(" ")[1] for line in out.getvalue().splitlines()] == [f"{n}/20000" for n in
-                                                                           range(2000, 20_001, 2000)]
+    assert [line.split(" ")[1] for line in out.getvalue().splitlines()] == [f"{n}/20000" for n in lines]
 
     monkeypatch.setattr(progress.PlainProgress, "every_s", 0.05)
     out = io.StringIO()
