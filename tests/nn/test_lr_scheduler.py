@@ -487,7 +487,10 @@ def test_non_optimizer_is_rejected():
     (lambda o: MultiStepLR(o, 10, milestones=[2, 1.5]), TypeError, "milestones entry must be an integer"),
     (lambda o: FlatAnnealingLR(o, 10, pct_start=1.0), ValueError, "pct_start must be < 1"),
     (lambda o: FlatAnnealingLR(o, 10, pct_start=-0.1), ValueError, "pct_start must be >= 0"),
-    (lambda o: OneCycleLR(o, 10, pct_start=1.5), ValueError, "pct_start must be <= 1"),
+    (lambda o: OneCycleLR(o, 10, pct_start=1.5), ValueError, "pct_start must be < 1"),
+    (lambda o: OneCycleLR(o, 10, pct_start=1.0), ValueError, "pct_start must be < 1, got 1.0"),
+    (lambda o: StepLR(o, 10, gamma=-0.5), ValueError, "gamma must be >= 0, got -0.5"),
+    (lambda o: MultiStepLR(o, 10, milestones=[2], gamma=-1), ValueError, "gamma must be >= 0, got -1"),
     (lambda o: PolynomialLR(o, 10, end_lr=-1.0), ValueError, "end_lr must be >= 0"),
     (lambda o: PolynomialLR(o, 10, power=-2), ValueError, "power must be >= 0"),
     (lambda o: CosineAnnealingLR(o, 10, eta_min=-0.1), ValueError, "eta_min must be >= 0"),
@@ -508,6 +511,14 @@ def test_constructor_errors(build, error, message):
 
 def test_unused_total_steps_and_extra_kwargs_are_accepted():
     optimizer = make_optimizer()
-    scheduler = MultiStepLR(optimizer, TOTAL, milestones=None, gamma=0.5, unknown_option=1)
+    with pytest.warns(UserWarning, match=r"MultiStepLR ignores the keyword argument\(s\) unknown_option: check"):
+        scheduler = MultiStepLR(optimizer, TOTAL, milestones=None, gamma=0.5, unknown_option=1)
     advance(scheduler, optimizer, 5)
     assert lrs_of(optimizer) == list(BASE_LRS)
+
+
+def test_a_misplaced_warmup_argument_is_named():
+    """``CosineAnnealingLR(..., warmup_steps=5)`` warms nothing up; legacy accepted it without a word."""
+    with pytest.warns(UserWarning, match=r"CosineAnnealingLR ignores the keyword argument\(s\) warmup_steps: .*"
+                                         r"warmup_steps belongs to the \*WarmupLR classes"):
+        CosineAnnealingLR(make_optimizer(), TOTAL, warmup_steps=5)

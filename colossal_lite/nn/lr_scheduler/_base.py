@@ -92,6 +92,15 @@ def check_number(name: str, value: Any, minimum: Optional[float] = None, maximum
     return value
 
 
+def warn_unused(owner: str, kwargs: Dict[str, Any]) -> None:
+    """Legacy signatures take ``**kwargs`` (configs passed extra keys); one that nothing reads is most likely a
+    misspelt or misplaced argument (``CosineAnnealingLR(..., warmup_steps=5)`` warms nothing up), so say so."""
+    if kwargs:
+        warnings.warn(f"{owner} ignores the keyword argument(s) {', '.join(sorted(kwargs))}: check their spelling "
+                      f"and that this scheduler takes them (e.g. warmup_steps belongs to the *WarmupLR classes)",
+                      UserWarning, stacklevel=3)
+
+
 def check_last_epoch(last_epoch: Any) -> int:
     return check_int("last_epoch", last_epoch, -1)
 

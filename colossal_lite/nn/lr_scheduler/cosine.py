@@ -14,6 +14,7 @@ from ._base import (
     check_warmup_steps,
     require_initial_lr,
     unwrap_optimizer,
+    warn_unused,
 )
 
 
@@ -21,6 +22,7 @@ class CosineAnnealingLR(ExactResumeMixin, _torch_sched.CosineAnnealingLR):
     """torch's cosine annealing from the base LR to ``eta_min`` over ``total_steps`` optimizer steps."""
 
     def __init__(self, optimizer, total_steps: int, eta_min: int = 0, last_epoch: int = -1, **kwargs):
+        warn_unused("CosineAnnealingLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
         total_steps = check_total_steps(total_steps)
         eta_min = check_number("eta_min", eta_min, minimum=0)
@@ -52,6 +54,7 @@ class FlatAnnealingLR(DelayerScheduler):
     rest of ``total_steps``."""
 
     def __init__(self, optimizer, total_steps: int, pct_start: float = 0.72, last_epoch: int = -1, **kwargs):
+        warn_unused("FlatAnnealingLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
         total_steps = check_total_steps(total_steps)
         pct_start = _check_pct_start(pct_start)
@@ -68,6 +71,7 @@ class FlatAnnealingWarmupLR(WarmupDelayerScheduler):
 
     def __init__(self, optimizer, total_steps: int, warmup_steps: int = 0, pct_start: float = 0.72,
                  eta_min: int = 0, last_epoch: int = -1, **kwargs):
+        warn_unused("FlatAnnealingWarmupLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
         total_steps = check_total_steps(total_steps)
         warmup_steps = check_warmup_steps(warmup_steps, total_steps)

@@ -5,7 +5,14 @@ from typing import Any, List
 
 from torch.optim.lr_scheduler import LRScheduler
 
-from ._base import ExactResumeMixin, check_last_epoch, check_total_steps, check_warmup_steps, unwrap_optimizer
+from ._base import (
+    ExactResumeMixin,
+    check_last_epoch,
+    check_total_steps,
+    check_warmup_steps,
+    unwrap_optimizer,
+    warn_unused,
+)
 
 
 class LinearWarmupLR(ExactResumeMixin, LRScheduler):
@@ -13,6 +20,7 @@ class LinearWarmupLR(ExactResumeMixin, LRScheduler):
     ``(total_steps - t) / (total_steps - warmup_steps) * base_lr``, reaching 0 at ``total_steps`` (and staying there)."""
 
     def __init__(self, optimizer, total_steps: int, warmup_steps: int = 0, last_epoch: int = -1, **kwargs):
+        warn_unused("LinearWarmupLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
         self.total_steps = check_total_steps(total_steps)
         self.warmup_steps = check_warmup_steps(warmup_steps, self.total_steps)

@@ -15,6 +15,7 @@ from ._base import (
     check_warmup_steps,
     require_initial_lr,
     unwrap_optimizer,
+    warn_unused,
 )
 
 
@@ -32,9 +33,10 @@ class MultiStepLR(ExactResumeMixin, _torch_sched.MultiStepLR):
 
     def __init__(self, optimizer, total_steps: int, milestones: Optional[List[int]] = None, gamma: float = 0.1,
                  last_epoch: int = -1, **kwargs):
+        warn_unused("MultiStepLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
         milestones = _check_milestones(milestones)
-        gamma = check_number("gamma", gamma)
+        gamma = check_number("gamma", gamma, minimum=0)
         super().__init__(optimizer, milestones=milestones, gamma=gamma, last_epoch=check_last_epoch(last_epoch))
         self.total_steps = total_steps
 
@@ -45,6 +47,7 @@ class MultiStepWarmupLR(WarmupScheduler):
 
     def __init__(self, optimizer, total_steps: int, warmup_steps: int = 0, milestones: Optional[List[int]] = None,
                  gamma: float = 0.1, last_epoch: int = -1, **kwargs):
+        warn_unused("MultiStepWarmupLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
         total_steps = check_total_steps(total_steps)
         warmup_steps = check_warmup_steps(warmup_steps, total_steps)

@@ -14,6 +14,7 @@ from ._base import (
     check_warmup_steps,
     require_initial_lr,
     unwrap_optimizer,
+    warn_unused,
 )
 
 
@@ -22,6 +23,7 @@ class PolynomialLR(ExactResumeMixin, LRScheduler):
 
     def __init__(self, optimizer, total_steps: int, end_lr: float = 0.0001, power: float = 1.0,
                  last_epoch: int = -1, **kwargs):
+        warn_unused("PolynomialLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
         self.total_steps = check_total_steps(total_steps)
         self.end_lr = check_number("end_lr", end_lr, minimum=0)
@@ -42,6 +44,7 @@ class PolynomialWarmupLR(WarmupScheduler):
 
     def __init__(self, optimizer, total_steps: int, warmup_steps: int = 0, end_lr: float = 0.0001,
                  power: float = 1.0, last_epoch: int = -1, **kwargs):
+        warn_unused("PolynomialWarmupLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
         total_steps = check_total_steps(total_steps)
         warmup_steps = check_warmup_steps(warmup_steps, total_steps)

@@ -39,7 +39,7 @@ class StepLR(ExactResumeMixin, _torch_sched.StepLR):
     def __init__(self, optimizer, total_steps, step_size: int = 1, gamma: float = 0.1, last_epoch: int = -1):
         optimizer = unwrap_optimizer(optimizer)
         step_size = check_int("step_size", step_size, 1)
-        gamma = check_number("gamma", gamma)
+        gamma = check_number("gamma", gamma, minimum=0)
         super().__init__(optimizer, step_size=step_size, gamma=gamma, last_epoch=check_last_epoch(last_epoch))
         self.total_steps = total_steps
 
@@ -49,6 +49,6 @@ class ExponentialLR(ExactResumeMixin, _torch_sched.ExponentialLR):
 
     def __init__(self, optimizer, total_steps, gamma: float = 1.0, last_epoch: int = -1):
         optimizer = unwrap_optimizer(optimizer)
-        gamma = check_number("gamma", gamma)
+        gamma = check_number("gamma", gamma, minimum=0)
         super().__init__(optimizer, gamma=gamma, last_epoch=check_last_epoch(last_epoch))
         self.total_steps = total_steps
