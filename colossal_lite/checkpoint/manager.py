@@ -226,7 +226,7 @@ def verify_files(folder: PathLike, meta: Dict[str, Any]) -> None:
                                          f"{META_FILE} records {size}")
 
 
-def _sharded_share(folder: Path, names: List[str], rank: int, world_size: int) -> List[str]:
+def _sharded_share(names: List[str], rank: int, world_size: int) -> List[str]:
     """This rank's share of the sharded files ``names`` (each file is checksummed by one rank)."""
     return [n for n in sorted(names) if n.startswith(SHARDED_DIR + "/")][rank::world_size]
 
@@ -238,14 +238,14 @@ def sharded_checksums(folder: Path, rank: int, world_size: int) -> Dict[str, str
     the write) and the ranks split the reading.
     """
     names = [f"{SHARDED_DIR}/{p.name}" for p in (folder / SHARDED_DIR).iterdir() if p.is_file()]
-    return {n: file_checksum(folder / n) for n in _sharded_share(folder, names, rank, world_size)}
+    return {n: file_checksum(folder / n) for n in _sharded_share(names, rank, world_size)}
 
 
 def verify_sharded(folder: PathLike, meta: Dict[str, Any], rank: int = 0, world_size: int = 1) -> None:
     """Compare this rank's share of the sharded files with the checksums ``meta`` records."""
     folder = Path(folder)
     sums = meta.get("checksums") or {}
-    for name in _sharded_share(folder, list(sums), rank, world_size):
+    for name in _sharded_share(list(sums), rank, world_size):
         verify_checksum(folder / name, sums[name])
 
 
@@ -623,13 +623,14 @@ class CheckpointManager:
         failed, _ = ranks.failures(error)
         if not failed:
             return result
-        rank, (kind, message) = failed[0]
-        if damaged is None or kind != CheckpointDamagedError.__name__:
-            ranks.agree(error, f"could not load checkpoint {path}", fallback=CheckpointError)
-        damaged.append(message)
-        if ranks.rank == 0:
-            warnings.warn(f"{message}; resume_from='auto' goes on to the next newest checkpoint in "
-                          f"{self.checkpoint_dir}", stacklevel=4)
+        _, (kind, message) = failed[0]
+        if damaged is not None and kind == CheckpointDamagedError.__name__:
+            damaged.append(message)
+            if ranks.rank == 0:
+                warnings.warn(f"{message}; resume_from='auto' goes on to the next newest checkpoint in "
+                              f"{self.checkpoint_dir}", stacklevel=4)
+            return None
+        ranks.agree(error, f"could not load checkpoint {path}", fallback=CheckpointError)  # raises on every rank
         return None
 
 

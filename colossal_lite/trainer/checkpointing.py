@@ -500,9 +500,13 @@ class CheckpointSession:
         by_steps = st.max_steps is not None and st.step >= st.max_steps
         if st.epoch < st.max_epochs and not by_steps:
             return False
-        end = f"max_steps={st.max_steps}" if by_steps else f"epochs={st.max_epochs}"
-        log_rank_0(self.trainer._logger, f"already trained to epoch {st.epoch}, nothing to do (step {st.step}; this fit "
-                                         f"ends at {end}); pass more epochs (or max_steps) to train further")
+        if by_steps:
+            message = (f"already trained to step {st.step} (epoch {st.epoch}, batch {st.batch_idx}), nothing to do: "
+                       f"this fit ends at max_steps={st.max_steps}; pass a larger max_steps to train further")
+        else:
+            message = (f"already trained to epoch {st.epoch}, nothing to do (step {st.step}; this fit ends at "
+                       f"epochs={st.max_epochs}); pass more epochs to train further")
+        log_rank_0(self.trainer._logger, message)
         return True
 
     def restored(self, path: Path) -> None:
