@@ -428,6 +428,22 @@ class CheckpointManager:
                 metrics_plain = {str(k): _metric_value(v) for k, v in (metrics or {}).items()}
         except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
             error = e
+        target, tmp = self._make_folder(ranks, name, error)
+        checksums = self._write_files(ranks, target, tmp, shared_plain, rank_plain, sharded_state)
+
+        # rank 0 completes it: metadata, rename into place, pointers, retention
+        if ranks.rank == 0:
+            try:
+                self._commit(tmp, target, shared_plain, metrics_plain, epoch, step, config, checksums)
+            except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
+                error = self._write_error(target, e) if type(e) is not CheckpointWriteError and isinstance(e, OSError) else e
+                if tmp.exists():
+                    _remove(tmp)
+        ranks.agree(error, f"checkpoint {target} was not completed")
+        return target
+
+    def _make_folder(self, ranks: _Ranks, name: str, error: Optional[BaseException]) -> Tuple[Path, Path]:
+        """Rank 0 makes the temporary folder (under a free name); every rank gets ``(target, tmp)``. Collective."""
         target = self.checkpoint_dir / name
         tmp: Optional[Path] = None
         final = name
@@ -444,9 +460,12 @@ class CheckpointManager:
                 error = self._write_error(target, e)
         ranks.agree(error, f"checkpoint {target} was not written", lambda: tmp is not None and _remove(tmp))
         final, tmp_name = ranks.broadcast((final, None if tmp is None else tmp.name))
-        target, tmp = self.checkpoint_dir / final, self.checkpoint_dir / tmp_name
+        return self.checkpoint_dir / final, self.checkpoint_dir / tmp_name
 
-        # every rank writes its own file(s) into the temporary folder
+    def _write_files(self, ranks: _Ranks, target: Path, tmp: Path, shared_plain, rank_plain,
+                     sharded_state: Optional[Dict[str, Any]]) -> Dict[str, str]:
+        """Every rank writes its own file(s) into ``tmp``; returns every file's checksum (all ranks). Collective."""
+        error: Optional[BaseException] = None
         sums: Dict[str, str] = {}
         try:
             if not tmp.is_dir():
@@ -469,17 +488,7 @@ class CheckpointManager:
                 error = self._write_error(target, e) if isinstance(e, OSError) else e
             checksums.update(_merged(ranks.agree(error, f"checkpoint {target} was not written",
                                                  lambda: ranks.rank == 0 and _remove(tmp), payload=sums)))
-
-        # rank 0 completes it: metadata, rename into place, pointers, retention
-        if ranks.rank == 0:
-            try:
-                self._commit(tmp, target, shared_plain, metrics_plain, epoch, step, config, checksums)
-            except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
-                error = self._write_error(target, e) if type(e) is not CheckpointWriteError and isinstance(e, OSError) else e
-                if tmp.exists():
-                    _remove(tmp)
-        ranks.agree(error, f"checkpoint {target} was not completed")
-        return target
+        return checksums
 
     def _free_name(self, name: str) -> str:
         final, k = name, 0

@@ -17,9 +17,13 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import colossal_lite
-from colossal_lite.checkpoint import CheckpointManager, UnsafeCheckpointError, checkpoint_info
+from colossal_lite.checkpoint import (
+    CheckpointDamagedError,
+    CheckpointManager,
+    UnsafeCheckpointError,
+    checkpoint_info,
+)
 from colossal_lite.checkpoint.cli import main
-from colossal_lite.checkpoint.io import CheckpointDamagedError
 from colossal_lite.core import global_context as gpc
 from colossal_lite.trainer import Trainer
 from colossal_lite.trainer.hooks import LossHook, SaveCheckpointHook
