@@ -5,6 +5,7 @@
 the random state; ``checkpoint_info`` summarises a checkpoint. See ``docs/checkpoints.md``.
 """
 from .io import (
+    CheckpointDamagedError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -27,6 +28,6 @@ from .rng import capture_rng_state, restore_rng_state
 __all__ = [
     "CheckpointManager", "checkpoint_info", "checkpoint_name", "model_state_from", "read_checkpoint",
     "remove_leftovers", "capture_rng_state", "restore_rng_state", "atomic_save", "load_file", "to_plain",
-    "CheckpointError", "CheckpointNotFoundError", "CheckpointWriteError", "UnsafeCheckpointError",
+    "CheckpointError", "CheckpointDamagedError", "CheckpointNotFoundError", "CheckpointWriteError", "UnsafeCheckpointError",
     "UnsupportedValueError",
 ]

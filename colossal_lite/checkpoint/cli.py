@@ -58,6 +58,8 @@ def format_info(info: Dict[str, Any]) -> str:
             lines.append(f"    {k} = {_short(v)}")
     else:
         lines.append("  config: none recorded")
+    if info.get("checksums"):
+        lines.append(f"  checksums: {info['checksums']}")
     lines.append(f"  files ({format_bytes(info['total_bytes'])} in all):")
     for name, n in info["files"].items():
         lines.append(f"    {name:<16} {format_bytes(n):>10}")
@@ -79,7 +81,7 @@ def _info(path: str) -> int:
 def _export(path: str, out: str) -> int:
     from ..utils.checkpointing import _strip_prefix
     from .io import atomic_save, load_file, tensor_bytes
-    from .manager import SHARED_FILE, is_single_file, model_state_from, resolve_path
+    from .manager import is_single_file, load_shared, model_state_from, resolve_path
 
     p = Path(path)
     if is_single_file(p):
@@ -87,7 +89,7 @@ def _export(path: str, out: str) -> int:
         if not isinstance(state, dict):
             raise ValueError(f"{p} does not hold a checkpoint dict")
     else:
-        state = load_file(resolve_path(p) / SHARED_FILE)
+        state = load_shared(resolve_path(p))
     weights = _strip_prefix(dict(model_state_from(state)))
     atomic_save(weights, out)
     print(f"wrote {len(weights)} tensors ({format_bytes(tensor_bytes(weights))}) to {out}; load them with "
@@ -97,11 +99,11 @@ def _export(path: str, out: str) -> int:
 
 def merge_checkpoint(path, out) -> dict:
     """Shared state + the merged shards -> one file with full ``engine.model`` / ``engine.optimizer``."""
-    from .io import atomic_save, load_file
-    from .manager import SHARED_FILE, merge_sharded, resolve_path
+    from .io import atomic_save
+    from .manager import load_shared, merge_sharded, resolve_path
 
     folder = resolve_path(Path(path))
-    shared = load_file(folder / SHARED_FILE)
+    shared = load_shared(folder)
     merged = merge_sharded(folder)
     engine = dict(shared.get("engine") or {})
     engine["model"] = merged["model"]

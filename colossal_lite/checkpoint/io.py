@@ -4,6 +4,8 @@ Only tensors and plain Python values are written (``to_plain`` checks and conver
 read goes through ``torch.load(..., weights_only=True, map_location="cpu")``, so loading a file
 never runs code from it. Writes go to a temporary name in the same folder, are flushed and
 fsynced, and then renamed into place, so a reader sees either the old file or the new one.
+Each write also returns a CRC-32 of the bytes as they went to the file; a read given that
+checksum compares it before unpickling, so a damaged file is reported as damaged.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 import pickle
 import re
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
 
@@ -32,6 +35,10 @@ class CheckpointError(RuntimeError):
 
 class CheckpointWriteError(CheckpointError, OSError):
     """Writing a checkpoint failed (unwritable folder, full disk...); earlier checkpoints are untouched."""
+
+
+class CheckpointDamagedError(CheckpointError):
+    """A checkpoint file is missing, has another size or checksum than ``meta.json`` records, or cannot be parsed."""
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -188,21 +195,49 @@ def _describe_os_error(e: OSError) -> str:
     hints = {errno.ENOSPC: " (the disk is full)", errno.EDQUOT: " (disk quota exceeded)",
              errno.EFBIG: " (file size limit reached)", errno.EROFS: " (read-only file system)",
              errno.EACCES: " (no permission to write there)", errno.ENOTDIR: " (a file is in the way of the folder)"}
-    return f"{text}{hints.get(e.errno, '')}" + (f" [{code}]" if code else "")
+    hint = hints.get(e.errno, "")
+    if hint[2:-1].lower() == text.lower():
+        hint = ""  # the system's words already say it
+    return f"{text}{hint}" + (f" [{code}]" if code else "")
 
 
-def write_file(path: PathLike, writer: Callable[[Any], None]) -> int:
-    """Create ``path`` (a new name), let ``writer(f)`` fill it, flush and fsync; returns its size in bytes.
+CHECKSUM_KIND = "crc32"
 
-    Every failure to write surfaces as an ``OSError`` (``torch.save`` reports a full disk as a
-    ``RuntimeError`` raised while handling the ``OSError``: the ``OSError`` is raised instead).
+
+def _checksum_text(crc: int) -> str:
+    return f"{CHECKSUM_KIND}:{crc:08x}"
+
+
+class _ChecksumWriter:
+    """A binary file that keeps a CRC-32 of every byte written through it (``torch.save`` writes through it)."""
+
+    def __init__(self, f):
+        self._f = f
+        self.crc = 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def write_file(path: PathLike, writer: Callable[[Any], None]) -> str:
+    """Create ``path`` (a new name), let ``writer(f)`` fill it, flush and fsync; returns its checksum.
+
+    The checksum (``'crc32:<8 hex digits>'``) is computed from the bytes as they are written, so a
+    large file is not read back. Every failure to write surfaces as an ``OSError`` (``torch.save``
+    reports a full disk as a ``RuntimeError`` raised while handling the ``OSError``: the ``OSError``
+    is raised instead).
     """
     try:
         with open(path, "wb") as f:
-            writer(f)
+            out = _ChecksumWriter(f)
+            writer(out)
             f.flush()
             os.fsync(f.fileno())
-            return f.tell()
+            return _checksum_text(out.crc)
     except OSError:
         raise
     except RuntimeError as e:
@@ -214,8 +249,36 @@ def write_file(path: PathLike, writer: Callable[[Any], None]) -> int:
         raise OSError(f"torch.save failed: {e}") from e
 
 
-def save_file(obj: Any, path: PathLike) -> int:
-    """``torch.save`` of ``to_plain(obj)`` to a new file ``path``, fsynced; returns the size in bytes."""
+def file_checksum(path: PathLike, chunk_bytes: int = 1 << 22) -> str:
+    """The checksum of the file ``path`` as ``write_file`` reports it (read in chunks of ``chunk_bytes``)."""
+    crc = 0
+    buf = bytearray(chunk_bytes)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            crc = zlib.crc32(view[:n], crc)
+    return _checksum_text(crc)
+
+
+def verify_checksum(path: PathLike, expected: str) -> None:
+    """Raise ``CheckpointDamagedError`` naming ``path`` when its checksum is not ``expected``."""
+    kind = expected.split(":", 1)[0]
+    if kind != CHECKSUM_KIND:
+        return  # written by a later version with another checksum: its size was checked
+    try:
+        actual = file_checksum(path)
+    except OSError as e:
+        raise CheckpointDamagedError(f"could not read checkpoint file {path}: {_describe_os_error(e)}") from e
+    if actual != expected:
+        raise CheckpointDamagedError(f"checkpoint file {path} is damaged: its checksum is {actual}, and {expected} was "
+                                     f"recorded when it was written")
+
+
+def save_file(obj: Any, path: PathLike) -> str:
+    """``torch.save`` of ``to_plain(obj)`` to a new file ``path``, fsynced; returns its checksum."""
     plain = to_plain(obj)
     return write_file(path, lambda f: torch.save(plain, f))
 
@@ -259,7 +322,7 @@ def atomic_write_text(path: PathLike, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def write_json(path: PathLike, data: Dict[str, Any]) -> int:
+def write_json(path: PathLike, data: Dict[str, Any]) -> str:
     return write_file(path, lambda f: f.write(json.dumps(data, indent=1, sort_keys=False).encode("utf-8")))
 
 
@@ -272,16 +335,20 @@ def _unsupported_global(message: str) -> Optional[str]:
     return f"pickle opcode {m.group(1)}" if m else None
 
 
-def load_file(path: PathLike) -> Any:
+def load_file(path: PathLike, checksum: Optional[str] = None) -> Any:
     """Read a checkpoint file with ``torch.load(weights_only=True, map_location="cpu")``.
 
+    With ``checksum`` (as ``write_file`` returned it) the file is compared with it first, so damage
+    anywhere, the pickle included, raises ``CheckpointDamagedError`` before anything is unpickled.
     A file that needs anything but tensors and plain values raises ``UnsafeCheckpointError``
     before anything in it runs; a missing file ``CheckpointNotFoundError``; a truncated or
-    damaged one ``CheckpointError``. Every message names the file.
+    damaged one ``CheckpointDamagedError``. Every message names the file.
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"checkpoint file {path} does not exist")
+    if checksum is not None:
+        verify_checksum(path, checksum)
     try:
         with warnings.catch_warnings():  # a refused file gets our message below, not torch's protocol notice
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -295,4 +362,4 @@ def load_file(path: PathLike) -> Any:
             f"was modified. Nothing in it was run. Load it with torch.load(..., weights_only=False) only if you "
             f"trust where it came from.") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
-        raise CheckpointError(f"could not read checkpoint file {path}: it is truncated or damaged ({e})") from e
+        raise CheckpointDamagedError(f"could not read checkpoint file {path}: it is truncated or damaged ({e})") from e

@@ -5,14 +5,15 @@ Layout of ``checkpoint_dir``::
     epoch3-step120/          one complete checkpoint
         shared.pt            replicated state (model, optimizer, schedulers, trainer progress), written by rank 0
         rank0.pt, rank1.pt   per-rank state (RNG, data position), one file per rank
-        meta.json            epoch, step, metrics, config summary, versions, file sizes; written last
+        meta.json            epoch, step, metrics, config summary, versions, file sizes and checksums; written last
     last                     text file holding the name of the newest complete checkpoint
     best                     text file holding the name of the best one (by ``save_best``)
     .tmp-*                   an unfinished write (removed at the next start)
 
 A checkpoint is written into ``.tmp-<name>-<pid>`` and renamed into place once every rank's file
 is in it and fsynced; the pointers move after that. A process killed at any instant therefore
-leaves ``last`` naming a complete checkpoint.
+leaves ``last`` naming a complete checkpoint. Every file's checksum, computed as it is written, is
+verified before the file is read back, so a damaged file is never resumed from.
 """
 from __future__ import annotations
 
@@ -32,17 +33,21 @@ import torch.distributed as dist
 from .io import (
     DEL_PREFIX,
     TMP_PREFIX,
+    CheckpointDamagedError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     PathLike,
+    UnsafeCheckpointError,
     _describe_os_error,
+    file_checksum,
     fsync_dir,
     load_file,
     save_file,
     tensor_bytes,
     to_jsonable,
     to_plain,
+    verify_checksum,
     write_json,
 )
 
@@ -97,20 +102,49 @@ class _Ranks:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def agree(self, error: Optional[BaseException], what: str, on_failure=None) -> None:
-        """Raise on every rank if any rank failed (its own error there, a summary elsewhere). A collective."""
-        errors = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    def failures(self, error: Optional[BaseException], payload: Any = None) -> Tuple[list, list]:
+        """``([(rank, (kind, message)) of each rank that failed], [every rank's payload])``. A collective."""
+        reports = self.all_gather((_report(error), payload))
+        return [(r, report) for r, (report, _) in enumerate(reports) if report is not None], [p for _, p in reports]
+
+    def agree(self, error: Optional[BaseException], what: str, on_failure=None, payload: Any = None,
+              fallback=CheckpointWriteError) -> list:
+        """Every rank's ``payload`` when no rank failed; else raise on every rank. A collective.
+
+        The failing rank raises its own error; every other rank raises the same kind of checkpoint
+        error with the same message (other errors become ``fallback`` naming the rank and ``what``).
+        ``on_failure`` (a clean-up) runs first; it is best effort and never hides the error.
+        """
+        failed, payloads = self.failures(error, payload)
         if not failed:
-            return
+            return payloads
         if on_failure is not None:
-            on_failure()
+            try:
+                on_failure()
+            except OSError:
+                pass  # e.g. a read-only file system: there is nothing to clean up, and the error says why
         if self.distributed:
             dist.barrier()  # every rank sees the cleaned-up folder when the error surfaces
         if error is not None:
             raise error
-        r, msg = failed[0]
-        raise CheckpointWriteError(f"{what}: rank {r} failed: {msg}")
+        rank, (kind, message) = failed[0]
+        raise _error_from(rank, kind, message, what, fallback)
+
+
+# errors that every rank raises alike when one rank meets them
+_SHARED_ERRORS = {cls.__name__: cls for cls in (CheckpointWriteError, CheckpointDamagedError, CheckpointNotFoundError,
+                                                UnsafeCheckpointError, CheckpointError)}
+
+
+def _report(error: Optional[BaseException]) -> Optional[Tuple[str, str]]:
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def _error_from(rank: int, kind: str, message: str, what: str, fallback) -> CheckpointError:
+    cls = _SHARED_ERRORS.get(kind)
+    if cls is not None:
+        return cls(f"{message} (reported by rank {rank})")
+    return fallback(f"{what}: rank {rank} failed: {kind}: {message}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -126,12 +160,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _remove(path: Path) -> None:
+    """Delete ``path`` (a file or a folder) if it can be; a clean-up never raises (a read-only file system)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         try:
             path.unlink()
-        except FileNotFoundError:
+        except OSError:
             pass
 
 
@@ -148,7 +183,8 @@ def remove_leftovers(checkpoint_dir: PathLike) -> List[Path]:
         if m and _pid_alive(int(m.group(1))):
             continue  # another live process on this machine is writing it
         _remove(entry)
-        removed.append(entry)
+        if not entry.exists():
+            removed.append(entry)
     return removed
 
 
@@ -164,7 +200,7 @@ def read_meta(folder: PathLike) -> Dict[str, Any]:
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"could not read {meta_path}: {e}") from e
+        raise CheckpointDamagedError(f"could not read {meta_path}: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path} is not colossal_lite checkpoint metadata")
     return meta
@@ -178,16 +214,39 @@ def _is_complete(folder: Path) -> Optional[Dict[str, Any]]:
 
 
 def verify_files(folder: PathLike, meta: Dict[str, Any]) -> None:
-    """Check that every file ``meta`` lists is there with the recorded size."""
+    """Check that every file ``meta`` lists is there with the recorded size (checksums are checked as files are read)."""
     folder = Path(folder)
     for fname, size in meta.get("files", {}).items():
         p = folder / fname
         if not p.is_file():
-            raise CheckpointError(f"checkpoint {folder} is damaged: {fname} is missing")
+            raise CheckpointDamagedError(f"checkpoint {folder} is damaged: {fname} is missing")
         actual = p.stat().st_size
         if actual != size:
-            raise CheckpointError(f"checkpoint {folder} is damaged: {fname} has {actual} bytes, "
-                                  f"{META_FILE} records {size}")
+            raise CheckpointDamagedError(f"checkpoint {folder} is damaged: {fname} has {actual} bytes, "
+                                         f"{META_FILE} records {size}")
+
+
+def _sharded_share(names: List[str], rank: int, world_size: int) -> List[str]:
+    """This rank's share of the sharded files ``names`` (each file is checksummed by one rank)."""
+    return [n for n in sorted(names) if n.startswith(SHARDED_DIR + "/")][rank::world_size]
+
+
+def sharded_checksums(folder: Path, rank: int, world_size: int) -> Dict[str, str]:
+    """Checksums of this rank's share of the files torch.distributed.checkpoint wrote into ``folder/sharded``.
+
+    DCP writes its files itself, so they are read back once (from the page cache, just after
+    the write) and the ranks split the reading.
+    """
+    names = [f"{SHARDED_DIR}/{p.name}" for p in (folder / SHARDED_DIR).iterdir() if p.is_file()]
+    return {n: file_checksum(folder / n) for n in _sharded_share(names, rank, world_size)}
+
+
+def verify_sharded(folder: PathLike, meta: Dict[str, Any], rank: int = 0, world_size: int = 1) -> None:
+    """Compare this rank's share of the sharded files with the checksums ``meta`` records."""
+    folder = Path(folder)
+    sums = meta.get("checksums") or {}
+    for name in _sharded_share(list(sums), rank, world_size):
+        verify_checksum(folder / name, sums[name])
 
 
 def model_state_from(shared: Dict[str, Any]) -> Dict[str, torch.Tensor]:
@@ -369,6 +428,22 @@ class CheckpointManager:
                 metrics_plain = {str(k): _metric_value(v) for k, v in (metrics or {}).items()}
         except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
             error = e
+        target, tmp = self._make_folder(ranks, name, error)
+        checksums = self._write_files(ranks, target, tmp, shared_plain, rank_plain, sharded_state)
+
+        # rank 0 completes it: metadata, rename into place, pointers, retention
+        if ranks.rank == 0:
+            try:
+                self._commit(tmp, target, shared_plain, metrics_plain, epoch, step, config, checksums)
+            except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
+                error = self._write_error(target, e) if type(e) is not CheckpointWriteError and isinstance(e, OSError) else e
+                if tmp.exists():
+                    _remove(tmp)
+        ranks.agree(error, f"checkpoint {target} was not completed")
+        return target
+
+    def _make_folder(self, ranks: _Ranks, name: str, error: Optional[BaseException]) -> Tuple[Path, Path]:
+        """Rank 0 makes the temporary folder (under a free name); every rank gets ``(target, tmp)``. Collective."""
         target = self.checkpoint_dir / name
         tmp: Optional[Path] = None
         final = name
@@ -385,37 +460,35 @@ class CheckpointManager:
                 error = self._write_error(target, e)
         ranks.agree(error, f"checkpoint {target} was not written", lambda: tmp is not None and _remove(tmp))
         final, tmp_name = ranks.broadcast((final, None if tmp is None else tmp.name))
-        target, tmp = self.checkpoint_dir / final, self.checkpoint_dir / tmp_name
+        return self.checkpoint_dir / final, self.checkpoint_dir / tmp_name
 
-        # every rank writes its own file(s) into the temporary folder
+    def _write_files(self, ranks: _Ranks, target: Path, tmp: Path, shared_plain, rank_plain,
+                     sharded_state: Optional[Dict[str, Any]]) -> Dict[str, str]:
+        """Every rank writes its own file(s) into ``tmp``; returns every file's checksum (all ranks). Collective."""
+        error: Optional[BaseException] = None
+        sums: Dict[str, str] = {}
         try:
             if not tmp.is_dir():
                 raise CheckpointWriteError(f"could not write checkpoint {target}: the folder {tmp} made by rank 0 is "
                                            f"not visible on rank {ranks.rank}; checkpoint_dir must be on a "
                                            f"filesystem every rank shares")
             if ranks.rank == 0:
-                save_file(shared_plain, tmp / SHARED_FILE)
-            save_file(rank_plain, tmp / rank_file(ranks.rank))
+                sums[SHARED_FILE] = save_file(shared_plain, tmp / SHARED_FILE)
+            sums[rank_file(ranks.rank)] = save_file(rank_plain, tmp / rank_file(ranks.rank))
         except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
             error = self._write_error(target, e) if type(e) is not CheckpointWriteError and isinstance(e, OSError) else e
-        ranks.agree(error, f"checkpoint {target} was not written", lambda: ranks.rank == 0 and _remove(tmp))
+        checksums = _merged(ranks.agree(error, f"checkpoint {target} was not written",
+                                        lambda: ranks.rank == 0 and _remove(tmp), payload=sums))
         if sharded_state is not None:
+            sums = {}
             try:
                 save_sharded(sharded_state, tmp / SHARDED_DIR)
+                sums = sharded_checksums(tmp, ranks.rank, ranks.world_size)
             except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
                 error = self._write_error(target, e) if isinstance(e, OSError) else e
-            ranks.agree(error, f"checkpoint {target} was not written", lambda: ranks.rank == 0 and _remove(tmp))
-
-        # rank 0 completes it: metadata, rename into place, pointers, retention
-        if ranks.rank == 0:
-            try:
-                self._commit(tmp, target, shared_plain, metrics_plain, epoch, step, config)
-            except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
-                error = self._write_error(target, e) if type(e) is not CheckpointWriteError and isinstance(e, OSError) else e
-                if tmp.exists():
-                    _remove(tmp)
-        ranks.agree(error, f"checkpoint {target} was not completed")
-        return target
+            checksums.update(_merged(ranks.agree(error, f"checkpoint {target} was not written",
+                                                 lambda: ranks.rank == 0 and _remove(tmp), payload=sums)))
+        return checksums
 
     def _free_name(self, name: str) -> str:
         final, k = name, 0
@@ -433,7 +506,7 @@ class CheckpointManager:
         return err
 
     def _commit(self, tmp: Path, target: Path, shared: Dict[str, Any], metrics: Dict[str, Any],
-                epoch: Optional[int], step: Optional[int], config: Any) -> None:
+                epoch: Optional[int], step: Optional[int], config: Any, checksums: Dict[str, str]) -> None:
         from .._version import __version__
 
         files = {}
@@ -459,6 +532,7 @@ class CheckpointManager:
             "version": __version__, "torch_version": torch.__version__,
             "config": None if config is None else to_jsonable(config),
             "files": files,
+            "checksums": {name: checksums[name] for name in files if name in checksums},
             "entries": {str(k): tensor_bytes(v) for k, v in shared.items()},
             "save_best": list(self.save_best) if self.save_best else None,
         }
@@ -503,29 +577,77 @@ class CheckpointManager:
 
     # -- loading -------------------------------------------------------------------------------
     def load(self, which: Union[str, PathLike] = "last") -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
-        """``(shared_state, rank_state)`` of the checkpoint ``which`` names (see ``resolve``). Every rank calls it.
+        """``(shared_state, rank_state)`` of the checkpoint ``which`` names (see ``read``). Every rank calls it."""
+        found = self.read(which)
+        if found is None:
+            raise CheckpointNotFoundError(f"no checkpoint to load in {self.checkpoint_dir}")
+        return found[1], found[2]
 
-        Rank 0 picks the folder and every rank reads the same one. ``rank_state`` is ``None`` (with a
-        warning) when the checkpoint was written by fewer ranks than this run has.
+    def read(self, which: Union[str, PathLike, None] = "auto"
+             ) -> Optional[Tuple[Path, Dict[str, Any], Optional[Dict[str, Any]]]]:
+        """``(folder, shared_state, rank_state)`` of the checkpoint ``which`` names (see ``resolve``). Collective.
+
+        Rank 0 picks the folder and every rank reads the same one; each file is compared with the
+        checksum ``meta.json`` records before it is unpickled. A damaged checkpoint raises
+        ``CheckpointDamagedError`` naming the file, except with ``"auto"``, which warns and falls back
+        to the newest checkpoint that verifies (``None``: nothing to resume). ``rank_state`` is
+        ``None`` (with a warning) when the checkpoint was written by fewer ranks than this run has.
         """
         ranks = self._ranks
-        path, error = None, None
+        candidates, error = [], None
         if ranks.rank == 0:
             try:
-                path = self.resolve(which)
-                if path is None:
-                    raise CheckpointNotFoundError(f"no checkpoint to load in {self.checkpoint_dir}")
+                candidates = [str(p) for p in self._candidates(which)]
             except (CheckpointError, ValueError) as e:
                 error = e
-        ranks.agree(error, f"could not load checkpoint {which!r}")
-        path = Path(ranks.broadcast(None if path is None else str(path)))
-        shared = rank_state = None
+        ranks.agree(error, f"could not load checkpoint {which!r}", fallback=CheckpointError)
+        candidates = ranks.broadcast(candidates)
+        fall_back = isinstance(which, str) and which == "auto"
+        damaged: List[str] = []
+        for path in map(Path, candidates):
+            loaded = self._read_verified(path, ranks, damaged if fall_back else None)
+            if loaded is not None:
+                return (path,) + loaded
+        if damaged:
+            raise CheckpointDamagedError(f"no checkpoint in {self.checkpoint_dir} can be resumed: "
+                                         + "; ".join(damaged))
+        return None
+
+    def _candidates(self, which) -> List[Path]:
+        """The folders ``which`` may load, in order: one, or for ``'auto'`` every complete one, ``last`` first."""
+        if not (isinstance(which, str) and which == "auto"):
+            path = self.resolve(which)
+            return [] if path is None else [path]
+        found = list(reversed(self.list_checkpoints()))
+        last = self.pointer("last")
+        return found if last is None else [last] + [p for p in found if p != last]
+
+    def _read_verified(self, path: Path, ranks: _Ranks, damaged: Optional[List[str]]):
+        """Every rank reads ``path``; a damaged one is noted in ``damaged`` and skipped when that is a list."""
+        result, error = None, None
         try:
-            shared, rank_state = read_checkpoint(path, ranks.rank, ranks.world_size)
+            result = read_checkpoint(path, ranks.rank, ranks.world_size)
         except CheckpointError as e:
             error = e
-        ranks.agree(error, f"could not load checkpoint {path}")
-        return shared, rank_state
+        failed, _ = ranks.failures(error)
+        if not failed:
+            return result
+        _, (kind, message) = failed[0]
+        if damaged is not None and kind == CheckpointDamagedError.__name__:
+            damaged.append(message)
+            if ranks.rank == 0:
+                warnings.warn(f"{message}; resume_from='auto' goes on to the next newest checkpoint in "
+                              f"{self.checkpoint_dir}", stacklevel=4)
+            return None
+        ranks.agree(error, f"could not load checkpoint {path}", fallback=CheckpointError)  # raises on every rank
+        return None
+
+
+def _merged(dicts: List[Dict[str, str]]) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for d in dicts:
+        out.update(d or {})
+    return out
 
 
 def save_sharded(state: Dict[str, Any], folder: Path) -> None:
@@ -562,6 +684,9 @@ def merge_sharded(path: PathLike) -> Dict[str, Any]:
     folder = Path(path) / SHARDED_DIR
     if not folder.is_dir():
         raise CheckpointNotFoundError(f"{path} has no sharded state to merge ({folder} is missing)")
+    meta = read_meta(path)
+    verify_files(path, meta)
+    verify_sharded(path, meta)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "merged.pt"
         dcp_to_torch_save(str(folder), str(out))
@@ -570,25 +695,40 @@ def merge_sharded(path: PathLike) -> Dict[str, Any]:
 
 def read_checkpoint(path: PathLike, rank: int = 0, world_size: Optional[int] = None
                     ) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
-    """Read a checkpoint folder in this process only (no collectives): ``(shared_state, rank_state of rank)``."""
+    """Read a checkpoint folder in this process only (no collectives): ``(shared_state, rank_state of rank)``.
+
+    Every file read is first compared with the checksum ``meta.json`` records (``CheckpointDamagedError``
+    naming the file); of the sharded files, this rank checks its share of ``world_size`` (all of them
+    when ``world_size`` is None). Checkpoints written before checksums were recorded are checked by size.
+    """
     path = Path(path)
     meta = read_meta(path)
     verify_files(path, meta)
+    sums = meta.get("checksums") or {}
     saved_world = meta.get("world_size")
     if world_size is not None and saved_world is not None and saved_world != world_size and rank == 0:
         warnings.warn(f"checkpoint {path} was written by {saved_world} rank(s) and this run has {world_size}: "
                       f"each rank's share of the data and its random state differ, so the resumed run will not "
                       f"match an uninterrupted one exactly", stacklevel=2)
-    shared = load_file(path / SHARED_FILE)
+    shared = load_file(path / SHARED_FILE, sums.get(SHARED_FILE))
     rank_path = path / rank_file(rank)
     if rank_path.is_file():
-        rank_state = load_file(rank_path)
+        rank_state = load_file(rank_path, sums.get(rank_file(rank)))
     else:
         rank_state = None
         warnings.warn(f"checkpoint {path} was written by {meta.get('world_size')} rank(s) and has no state for rank "
                       f"{rank}: its random state and data position start fresh, so the resumed run will not match "
                       f"an uninterrupted one exactly", stacklevel=2)
+    verify_sharded(path, meta, rank if world_size is not None else 0, world_size or 1)
     return shared, rank_state
+
+
+def load_shared(folder: PathLike) -> Dict[str, Any]:
+    """The verified ``shared.pt`` of a checkpoint folder (one process, no collectives)."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    verify_files(folder, meta)
+    return load_file(folder / SHARED_FILE, (meta.get("checksums") or {}).get(SHARED_FILE))
 
 
 def _read_pointer(pointer: Path) -> Optional[str]:
@@ -667,10 +807,41 @@ def checkpoint_info(path: PathLike) -> Dict[str, Any]:
         if entry.is_file():
             files[entry.name] = entry.stat().st_size
     pointers = [w for w in POINTERS if _read_pointer(folder.parent / w) == folder.name]
+    damaged = _damaged_files(folder, meta)
     return {
         "path": str(folder), "kind": "folder", "name": folder.name, "epoch": meta.get("epoch"),
         "step": meta.get("step"), "metrics": meta.get("metrics", {}), "config": meta.get("config"),
         "version": meta.get("version"), "torch_version": meta.get("torch_version"),
         "world_size": meta.get("world_size"), "created_utc": meta.get("created_utc"), "files": files,
         "total_bytes": sum(files.values()), "entries": meta.get("entries", {}), "pointers": pointers,
+        "damaged": damaged, "checksums": _checksum_summary(meta, damaged),
     }
+
+
+def _damaged_files(folder: Path, meta: Dict[str, Any]) -> Dict[str, str]:
+    """``{file: why}`` for each file ``meta`` lists that is missing or differs from its recorded size or checksum."""
+    sums = meta.get("checksums") or {}
+    damaged = {}
+    for name, size in meta.get("files", {}).items():
+        p = folder / name
+        if not p.is_file():
+            damaged[name] = "missing"
+        elif p.stat().st_size != size:
+            damaged[name] = f"{p.stat().st_size} bytes, {size} recorded"
+        elif name in sums:
+            try:
+                verify_checksum(p, sums[name])
+            except CheckpointDamagedError:
+                damaged[name] = f"checksum {file_checksum(p)}, {sums[name]} recorded"
+    return damaged
+
+
+def _checksum_summary(meta: Dict[str, Any], damaged: Dict[str, str]) -> str:
+    """One line for ``ckpt info``: whether the files match what ``meta.json`` records."""
+    files, sums = meta.get("files", {}), meta.get("checksums") or {}
+    if damaged:
+        return "DAMAGED: " + "; ".join(f"{name} ({why})" for name, why in damaged.items())
+    if not sums:
+        return f"none recorded (an older checkpoint); the sizes of all {len(files)} files match"
+    by_size = len(files) - len(sums)
+    return f"all {len(files)} files match" + (f" ({by_size} by size only)" if by_size else "")

@@ -391,6 +391,8 @@ class Trainer:
             checkpoints.resume(resume_from)
             if test_mode:
                 return self._test_mode(run)
+            if checkpoints.nothing_to_do():  # e.g. a finished script run again with resume_from='auto'
+                return None
             checkpoints.watch_signals(self.preemption_signals)
             self._engine.train()
             self.fire(Event.BEFORE_TRAIN)

@@ -27,11 +27,14 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from torch.optim import lr_scheduler
 
 from ..checkpoint import CheckpointManager, capture_rng_state, checkpoint_name, restore_rng_state, to_plain
-from ..checkpoint.io import CheckpointError, CheckpointNotFoundError, format_bytes
+from ..checkpoint.io import CheckpointError, format_bytes
 from ..checkpoint.manager import has_sharded_state, load_sharded, model_state_from
 from ..core.global_context import global_context as gpc
+from ..nn.lr_scheduler import LinearWarmupLR, PolynomialLR
+from ..nn.lr_scheduler._base import _TwoStageScheduler
 from .hooks._log_hook import log_rank_0
 from .hooks._metric_hook import LRSchedulerHook
 
@@ -247,23 +250,6 @@ def _load_weights_only(trainer, path: Path, shared: Dict[str, Any], strict: bool
     engine.strategy.load_model_state_dict(engine.model, weights, strict=strict)
 
 
-def _resolve_everywhere(manager: CheckpointManager, which) -> Optional[Path]:
-    """``manager.resolve(which)`` on rank 0, the same answer (or error) on every rank."""
-    found, error = None, None
-    if gpc.get_global_rank() == 0:
-        try:
-            found = manager.resolve(which)
-        except (CheckpointError, ValueError) as e:
-            error = e
-    found_str, message = _broadcast((None if found is None else str(found),
-                                     None if error is None else f"{type(error).__name__}: {error}"))
-    if message is not None:
-        if error is not None:
-            raise error
-        raise CheckpointNotFoundError(f"could not find checkpoint {which!r}: rank 0 failed: {message}")
-    return None if found_str is None else Path(found_str)
-
-
 def load_trainer_checkpoint(trainer, manager: CheckpointManager, which: Union[str, PathLike] = "last",
                             train_loader=None, finetune: bool = False, strict: bool = True) -> Optional[Path]:
     """Restore the run from the checkpoint ``which`` names (see ``CheckpointManager.resolve``); every rank calls it.
@@ -271,14 +257,15 @@ def load_trainer_checkpoint(trainer, manager: CheckpointManager, which: Union[st
     Restores the engine (model, optimizer, loss scaler, accumulation window), the schedulers of the
     ``LRSchedulerHook`` s, the progress and hook states, fires ``on_load_checkpoint``, then the data
     position and the random state. ``finetune=True``: the model weights only, progress from 0.
-    ``which='auto'`` with nothing to resume returns None (a fresh start). Call it with the hooks attached.
+    ``which='auto'`` with nothing to resume returns None (a fresh start), and skips damaged checkpoints
+    with a warning (``CheckpointManager.read``). Call it with the hooks attached.
     """
     if train_loader is None and getattr(trainer, "_checkpoints", None) is not None:
         train_loader = trainer._checkpoints.train_loader
-    path = _resolve_everywhere(manager, which)
-    if path is None:
+    found = manager.read(which)
+    if found is None:
         return None
-    shared, rank_state = manager.load(path)
+    path, shared, rank_state = found
     engine, st = trainer.engine, trainer.state
     if finetune:
         _load_weights_only(trainer, path, shared, strict)
@@ -311,6 +298,7 @@ def load_trainer_checkpoint(trainer, manager: CheckpointManager, which: Union[st
 
     saved_trainer = shared.get("trainer") or {}
     st.load_state_dict(saved_trainer.get("progress", {}))
+    _warn_short_schedules(trainer, path)
     trainer._step_from_epoch = False
     trainer._pending_hook_states = None
     trainer._load_hook_states(saved_trainer.get("hooks", {}))
@@ -334,6 +322,62 @@ def load_trainer_checkpoint(trainer, manager: CheckpointManager, which: Union[st
         if rank_state.get("rng") is not None:
             restore_rng_state(rank_state["rng"])
     return path
+
+
+def _unwrapped(scheduler):
+    """The scheduler inside wrappers such as the engine's (which steps it only after real updates)."""
+    while not isinstance(scheduler, lr_scheduler.LRScheduler) and getattr(scheduler, "lr_scheduler", None) is not None:
+        scheduler = scheduler.lr_scheduler
+    return scheduler
+
+
+def schedule_length(scheduler) -> Optional[int]:
+    """Scheduler steps after which ``scheduler``'s schedule has run its course, or None when it has no end.
+
+    Past its end a cosine climbs back up, a decay stays at its final LR and OneCycleLR refuses to step.
+    Step, exponential, multi-step, lambda and warm-up-only (rising ``LinearLR``) schedules have no end.
+    """
+    scheduler = _unwrapped(scheduler)
+    if isinstance(scheduler, _TwoStageScheduler):  # warm-up / delay, then the inner schedule
+        inner = schedule_length(scheduler.after_scheduler)
+        return None if inner is None else scheduler.warmup_epochs + scheduler.delay_epochs + inner
+    if isinstance(scheduler, (LinearWarmupLR, PolynomialLR)):
+        return scheduler.total_steps
+    if isinstance(scheduler, lr_scheduler.CosineAnnealingLR):
+        return scheduler.T_max
+    if isinstance(scheduler, lr_scheduler.OneCycleLR):
+        return scheduler.total_steps
+    if isinstance(scheduler, lr_scheduler.PolynomialLR):
+        return scheduler.total_iters
+    if isinstance(scheduler, lr_scheduler.LinearLR) and scheduler.end_factor < scheduler.start_factor:
+        return scheduler.total_iters
+    if isinstance(scheduler, lr_scheduler.SequentialLR):
+        last = schedule_length(scheduler._schedulers[-1])
+        return None if last is None else scheduler._milestones[-1] + last
+    return None
+
+
+def _warn_short_schedules(trainer, path: Path) -> None:
+    """Warn (rank 0) for each restored scheduler whose schedule ends before the run ``fit`` was asked for."""
+    st = trainer.state
+    if not st.fitting or not st.total_steps or gpc.get_global_rank() != 0:
+        return
+    for key, hook in _scheduler_hooks(trainer):
+        length = schedule_length(hook.lr_scheduler)
+        if length is None:
+            continue
+        unit = "epochs" if hook.by_epoch else "optimizer steps"
+        run_left = st.max_epochs - st.epoch if hook.by_epoch else st.total_steps - st.step
+        schedule_left = length - int(getattr(hook.lr_scheduler, "last_epoch", 0))
+        if schedule_left >= run_left:
+            continue
+        warnings.warn(
+            f"{key}: the {type(_unwrapped(hook.lr_scheduler)).__name__} restored from {path} was built for the run "
+            f"that wrote it: it is {length} {unit} long and has {max(schedule_left, 0)} left, but this fit runs "
+            f"{run_left} more {unit}. Past its end the learning rate no longer follows a schedule (a cosine climbs "
+            f"back up, a decay stays at its last value). To extend a finished run, load only the engine state (model "
+            f"and optimizer) and build a scheduler for the {unit} still to run: see 'Extending a finished run' in "
+            f"docs/checkpoints.md", stacklevel=2)
 
 
 # -- test mode ---------------------------------------------------------------------------------
@@ -449,6 +493,21 @@ class CheckpointSession:
         log_rank_0(trainer._logger, f"resumed from {path}: epoch {st.epoch}, step {st.step}, "
                                     f"batch {st.batch_idx} of the epoch")
         return path
+
+    def nothing_to_do(self) -> bool:
+        """True (and a log line on rank 0) when the run already stands at the end this ``fit`` was asked for."""
+        st = self.trainer.state
+        by_steps = st.max_steps is not None and st.step >= st.max_steps
+        if st.epoch < st.max_epochs and not by_steps:
+            return False
+        if by_steps:
+            message = (f"already trained to step {st.step} (epoch {st.epoch}, batch {st.batch_idx}), nothing to do: "
+                       f"this fit ends at max_steps={st.max_steps}; pass a larger max_steps to train further")
+        else:
+            message = (f"already trained to epoch {st.epoch}, nothing to do (step {st.step}; this fit ends at "
+                       f"epochs={st.max_epochs}); pass more epochs to train further")
+        log_rank_0(self.trainer._logger, message)
+        return True
 
     def restored(self, path: Path) -> None:
         """The run now stands where ``path`` was taken: a save at this position would only repeat it."""

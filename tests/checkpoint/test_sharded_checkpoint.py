@@ -3,6 +3,7 @@ and on 1 rank after `colossal-lite ckpt merge`."""
 import json
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -66,6 +67,8 @@ def test_sharded_checkpoint_resumes_on_two_ranks_and_on_one_after_merge(tmp_path
     assert ".metadata" in shards and len([s for s in shards if s.endswith(".distcp")]) == 2  # one file per rank
     meta = json.loads((folder / "meta.json").read_text())
     assert any(k.startswith("sharded/") for k in meta["files"])
+    # every file has its checksum, the shards' too (each rank checksums its share of them)
+    assert meta["checksums"] == {name: f"crc32:{zlib.crc32((folder / name).read_bytes()):08x}" for name in meta["files"]}
 
     run_torchrun(script, ["resume", ckpt, tmp_path / "resumed.json"], nproc=2, timeout=180)
     merged = subprocess.run([sys.executable, "-m", "colossal_lite.cli", "ckpt", "merge", str(folder),
@@ -80,3 +83,12 @@ def test_sharded_checkpoint_resumes_on_two_ranks_and_on_one_after_merge(tmp_path
         assert got.keys() == full.keys()
         for k in full:
             torch.testing.assert_close(torch.tensor(got[k]), torch.tensor(full[k]), rtol=1e-5, atol=1e-6)
+
+    # one flipped bit in a shard: merging (which reads every shard) refuses, naming the file
+    shard = folder / "sharded" / next(s for s in shards if s.endswith(".distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    merged = subprocess.run([sys.executable, "-m", "colossal_lite.cli", "ckpt", "merge", str(folder),
+                             str(ckpt / "merged2.pt")], capture_output=True, text=True)
+    assert merged.returncode == 1 and f"error: checkpoint file {shard} is damaged" in merged.stderr, merged.stderr
