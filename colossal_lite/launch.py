@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .context.batch_size import resolve_batch_sizes
 from .context.config import Config
 from .context.validation import validate_config
+from .core.global_context import destroy_group_at_exit
 from .core.global_context import global_context as gpc
 from .logging import get_dist_logger
 
@@ -100,6 +101,10 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
                 kwargs["store"] = dist.PrefixStore(f"colossal_lite/attempt{restart}", agent_store)
             else:
                 kwargs["init_method"] = _init_method(host, port)
+        # torch.distributed.nn.functional takes group.WORLD as a default argument, evaluated when it is first
+        # imported (DDP imports it through torch._dynamo): imported after the group exists, it would hold the
+        # group for good, and destroying the group could never free it and join its threads
+        from torch.distributed.nn import functional  # noqa: F401
         try:
             dist.init_process_group(**kwargs)
         except Exception as e:
@@ -111,6 +116,7 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
                 f"MASTER_ADDR/MASTER_PORT (host/port) are the same for all of them and reachable, "
                 f"or raise the limit with launch(..., timeout=SECONDS) or dist_timeout in the config") from e
         gpc._owns_group = True
+        destroy_group_at_exit()
     gpc._launched = True
     gpc.set_seed(seed)
     if verbose:
