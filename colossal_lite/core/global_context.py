@@ -181,10 +181,10 @@ global_context = GlobalContext()
 # contextvars context that autograd stores while it runs), and a Work may hold tensors whose Python
 # objects it keeps alive (broadcast_object_list, torch.distributed.checkpoint). Dropping those needs the
 # GIL. If the script ends right then, the worker waits for the GIL while the main thread starts the
-# interpreter's finalization; when it gets the GIL, CPython 3.11 ends the thread with pthread_exit,
-# whose unwinding passes through the Work's noexcept destructor, and the C++ runtime calls
-# std::terminate. This is a race of a few milliseconds after the last collective, so it hits some runs
-# and not others, and plain torch scripts that skip destroy_process_group() hit it too.
+# interpreter's finalization; when it gets the GIL, CPython ends the thread (pthread_exit), and the
+# unwinding passes through the Work's noexcept destructor, so the C++ runtime calls std::terminate.
+# This is a race of a few milliseconds after the last collective, so it hits some runs and not others,
+# and plain torch scripts that skip destroy_process_group() hit it too.
 #
 # An atexit handler still runs in a whole interpreter, before finalization. Destroying the group there
 # frees it when nothing else holds it (the engines drop their DDP wrapper first): torch releases the GIL
