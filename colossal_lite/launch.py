@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 from pathlib import Path
 from typing import Optional, Union
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from .context.batch_size import resolve_batch_sizes
 from .context.config import Config
 from .context.validation import validate_config
+from .core.global_context import destroy_group_at_exit
 from .core.global_context import global_context as gpc
 from .logging import get_dist_logger
 
@@ -100,6 +102,10 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
                 kwargs["store"] = dist.PrefixStore(f"colossal_lite/attempt{restart}", agent_store)
             else:
                 kwargs["init_method"] = _init_method(host, port)
+        # torch.distributed.nn.functional takes group.WORLD as a default argument, evaluated when it is first
+        # imported (DDP imports it through torch._dynamo): imported after the group exists, it would hold the
+        # group for good, and destroying the group could never free it and join its threads
+        from torch.distributed.nn import functional  # noqa: F401
         try:
             dist.init_process_group(**kwargs)
         except Exception as e:
@@ -111,6 +117,7 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
                 f"MASTER_ADDR/MASTER_PORT (host/port) are the same for all of them and reachable, "
                 f"or raise the limit with launch(..., timeout=SECONDS) or dist_timeout in the config") from e
         gpc._owns_group = True
+        destroy_group_at_exit()
     gpc._launched = True
     gpc.set_seed(seed)
     if verbose:
@@ -145,6 +152,31 @@ def launch_from_torch(config, backend: Optional[str] = None, seed: int = 1024, v
                   local_rank=int(os.environ["LOCAL_RANK"]), seed=seed, verbose=verbose, timeout=timeout)
 
 
+def under_torchrun() -> bool:
+    """True in a worker process started by ``python -m torch.distributed.run`` (its agent sets TORCHELASTIC_RUN_ID)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def preemption_exit_note(signum: int, status: int) -> str:
+    """How a run stopped by ``signum`` ends and how to continue it (the end of the Trainer's stop line).
+
+    torchrun starts each worker in a session of its own, so a terminal's Ctrl-C reaches only torchrun's agent,
+    which forwards it to the workers as SIGINT, waits for them (30 s, ``--shutdown-timeout``), then re-raises
+    it as ``SignalException``: a traceback and exit status 1 whatever the workers' status. A signal sent to
+    the workers alone ends them with ``status``, which torchrun turns into a restart with ``--max-restarts``
+    and otherwise into a failed job (exit status 1).
+    """
+    resume = "with fit(..., resume_from='auto') to continue"
+    if not under_torchrun():
+        return f"exiting with status {status}. Run again {resume}"
+    if signum == signal.SIGINT:
+        return (f"the workers exit with status {status}, and torchrun, which got the Ctrl-C too, then ends with a "
+                f"SignalException traceback and status 1. Run the same command again {resume}")
+    return (f"the workers exit with status {status}: torchrun started with --max-restarts restarts them, otherwise it "
+            f"ends with status 1 (after a SignalException traceback if it got the signal too). "
+            f"Run the same command again {resume}")
+
+
 def _launch_from_env(kind: str, config, host, port, rank_var, size_var, local_var, backend, seed, verbose, timeout):
     try:
         rank, world_size = int(os.environ[rank_var]), int(os.environ[size_var])
@@ -171,4 +203,4 @@ def launch_from_openmpi(config, host: str, port: int, backend: Optional[str] = N
 
 
 __all__ = ["launch", "launch_from_torch", "launch_from_slurm", "launch_from_openmpi", "get_default_parser",
-           "load_config"]
+           "load_config", "under_torchrun"]

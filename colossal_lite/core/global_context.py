@@ -6,11 +6,14 @@ answer: rank 0, world size 1, no group, the current device. If the user initiali
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import random
+import sys
+import time
 import weakref
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -147,8 +150,8 @@ class GlobalContext:
     def destroy(self):
         """Destroy the process group this context created and forget the launch.
 
-        Engines first drop their DDP wrapper: a DDP module still holding the destroyed group when the
-        interpreter shuts down can abort the process ("terminate called without an active exception").
+        Engines first drop their DDP wrapper, so that nothing but torch's own tables holds the group and
+        destroying it frees it: its gloo worker threads are then joined (see ``_destroy_at_exit``).
         """
         for engine in list(self._engines):
             engine.detach_from_group()
@@ -164,3 +167,85 @@ class GlobalContext:
 
 
 global_context = GlobalContext()
+
+
+# -- exit ------------------------------------------------------------------------------------------
+# Why a process that never calls gpc.destroy() can abort at exit ("terminate called without an active
+# exception", status 134), and why the group is destroyed by an exit handler:
+#
+# A gloo process group runs each collective on one of its worker threads. The worker drops its reference
+# to the finished collective (the Work) only after it has marked it complete, so the main thread, which
+# woke up on that completion and dropped its own reference, often leaves the worker with the last one:
+# the Work is destroyed on the worker thread. A Work made during a backward pass (DDP's and FSDP's
+# gradient reductions) keeps a copy of the thread-local state, which holds a Python object (the
+# contextvars context that autograd stores while it runs), and a Work may hold tensors whose Python
+# objects it keeps alive (broadcast_object_list, torch.distributed.checkpoint). Dropping those needs the
+# GIL. If the script ends right then, the worker waits for the GIL while the main thread starts the
+# interpreter's finalization; when it gets the GIL, CPython ends the thread (pthread_exit), and the
+# unwinding passes through the Work's noexcept destructor, so the C++ runtime calls std::terminate.
+# This is a race of a few milliseconds after the last collective, so it hits some runs and not others,
+# and plain torch scripts that skip destroy_process_group() hit it too.
+#
+# An atexit handler still runs in a whole interpreter, before finalization. Destroying the group there
+# frees it when nothing else holds it (the engines drop their DDP wrapper first): torch releases the GIL
+# while it destroys the group, whose destructor joins the worker threads, so every pending drop is done
+# before finalization starts. When something still holds the group (FSDP2 keeps it in the sharded
+# module, ZeroRedundancyOptimizer and a DDP wrapper the script kept hold it too) the threads live on;
+# the handler then releases the GIL until every worker thread sleeps, so a worker with a finished Work
+# to drop gets the GIL while the interpreter is still whole.
+_GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the name torch gives a gloo group's worker threads
+_exit_handler_registered = False
+
+
+def destroy_group_at_exit() -> None:
+    """Make the interpreter's exit destroy the group ``launch`` created, if the script has not (once per process)."""
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(_destroy_at_exit)
+        _exit_handler_registered = True
+
+
+def _destroy_at_exit() -> None:
+    if getattr(sys, "last_value", None) is not None:
+        return  # an uncaught exception: a peer may never join a pending collective, so no teardown that could wait on it
+    if global_context._owns_group and _dist_ready():  # not when the script called gpc.destroy() itself
+        global_context.destroy()
+    _let_gloo_workers_finish()  # also after the script's own gpc.destroy(): FSDP2 keeps the threads alive
+
+
+def _gloo_worker_states() -> Optional[List[str]]:
+    """The scheduler state (``R``, ``S``, ...) of each live gloo worker thread; None without Linux's /proc."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    states = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()  # "tid (name) state ..."
+        except OSError:
+            continue  # the thread ended meanwhile
+        name_end = stat.rfind(")")
+        if stat[stat.find("(") + 1:name_end] == _GLOO_WORKER_THREAD:
+            states.append(stat[name_end + 2:name_end + 3])
+    return states
+
+
+def _let_gloo_workers_finish(limit_s: float = 1.0, step_s: float = 0.002) -> None:
+    """Release the GIL until every gloo worker thread has slept through two checks in a row (at most ``limit_s``).
+
+    A worker waiting for the GIL gets it while this thread sleeps, so one seen sleeping twice across a
+    sleep of this thread is parked with nothing left to drop. Without /proc it waits ``limit_s`` / 10.
+    """
+    deadline = time.monotonic() + limit_s
+    quiet = 0
+    while time.monotonic() < deadline:
+        time.sleep(step_s)
+        states = _gloo_worker_states()
+        if states is None:
+            time.sleep(limit_s / 10)
+            return
+        quiet = quiet + 1 if all(state == "S" for state in states) else 0
+        if quiet == 2:
+            return

@@ -33,6 +33,7 @@ from ..checkpoint import CheckpointManager, capture_rng_state, checkpoint_name, 
 from ..checkpoint.io import CheckpointError, format_bytes
 from ..checkpoint.manager import has_sharded_state, load_sharded, model_state_from
 from ..core.global_context import global_context as gpc
+from ..launch import preemption_exit_note, under_torchrun
 from ..nn.lr_scheduler import LinearWarmupLR, PolynomialLR
 from ..nn.lr_scheduler._base import _TwoStageScheduler
 from .hooks._log_hook import log_rank_0
@@ -528,8 +529,10 @@ class CheckpointSession:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        if signum == signal.SIGINT and self._received == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop at once
+        if self._received == signal.SIGINT and (signum == signal.SIGINT or under_torchrun()):
+            # a second Ctrl-C: stop at once. Under torchrun it comes as SIGTERM: the agent forwards the first
+            # Ctrl-C as SIGINT, and sends SIGTERM when a second one interrupts its wait for the workers
+            raise KeyboardInterrupt
         if self._received is None:
             self._received = signum
             again = " (Ctrl-C again stops at once, without a checkpoint)" if signum == signal.SIGINT else ""
@@ -595,8 +598,8 @@ class CheckpointSession:
         self.checkpoint = self.save_hooks[0].save(trainer)
         st = trainer.state
         log_rank_0(trainer._logger, f"{_signal_name(signum)}: stopped at epoch {st.epoch}, step {st.step} (batch "
-                                    f"{st.batch_idx} of the epoch); checkpoint {self.checkpoint}; exiting with status "
-                                    f"{PREEMPTED_EXIT_CODE}. Run again with fit(..., resume_from='auto') to continue")
+                                    f"{st.batch_idx} of the epoch); checkpoint {self.checkpoint}; "
+                                    f"{preemption_exit_note(signum, PREEMPTED_EXIT_CODE)}")
 
     def finish(self) -> None:
         """At the end of training: each SaveCheckpointHook's final save, then a last look at the stop flag."""
