@@ -9,6 +9,7 @@ of that size between two steps). Counts repeat within about 0.5 % of the hand lo
 micro-step), so a change of the Trainer's overhead shows up in one run.
 
     python benchmarks/count_step_cost.py [--steps 200] [--width 128] [--ll-kib 2048] [--keep-dumps DIR]
+                                         [--nonfinite-loss raise|skip|ignore]
 
 It counts what runs in the process, not the kernel's work for it: page faults (a heap that glibc trims and
 grows again every step) cost no instruction here; ``bench_engine.py`` prints them per contestant.
@@ -43,7 +44,7 @@ CONTESTANTS = ("hand", "hand+", "engine", "trainer")
 EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 
 
-def _inner(steps: int, width: int) -> None:
+def _inner(steps: int, width: int, nonfinite_loss: str) -> None:
     """Under valgrind: warm every contestant up, then count each over ``steps`` micro-steps."""
     import torch
 
@@ -52,7 +53,7 @@ def _inner(steps: int, width: int) -> None:
 
     lib = ctypes.CDLL(os.environ[_INNER])
     torch.set_num_threads(1)
-    w = be.Workload(in_features=width, hidden=width)
+    w = be.Workload(in_features=width, hidden=width, nonfinite_loss=nonfinite_loss)
     steps_by_name, trainer, hook_list = be.build_shared(w, steps)
     batches = w.batches()
     loader = [batches[i % len(batches)] for i in range(steps)]
@@ -104,9 +105,11 @@ def main() -> None:
     parser.add_argument("--ll-kib", type=int, default=2048, help="last-level cache size of the model, KiB")
     parser.add_argument("--keep-dumps", metavar="DIR", help="copy callgrind's dumps (one per contestant) into DIR, "
                                                           "for callgrind_annotate")
+    parser.add_argument("--nonfinite-loss", default="raise", choices=("raise", "skip", "ignore"),
+                        help="config nonfinite_loss of the engine and the Trainer ('ignore': without the loss guard)")
     args = parser.parse_args()
     if _INNER in os.environ:
-        _inner(args.steps, args.width)
+        _inner(args.steps, args.width, args.nonfinite_loss)
         return
     if args.ll_kib < 64 or args.ll_kib & (args.ll_kib - 1):
         parser.error("--ll-kib must be a power of two, at least 64")
@@ -126,7 +129,7 @@ def main() -> None:
                "--I1=32768,8,64", "--D1=49152,12,64", f"--LL={args.ll_kib * 1024},16,64",
                f"--callgrind-out-file={os.path.join(tmp, 'callgrind.out.%p')}",
                os.path.realpath(sys.executable), os.path.abspath(__file__), "--steps", str(args.steps),
-               "--width", str(args.width)]
+               "--width", str(args.width), "--nonfinite-loss", args.nonfinite_loss]
         run = subprocess.run(cmd, env=env, capture_output=True, text=True)
         counts = _read_dumps(tmp)
         if args.keep_dumps:
