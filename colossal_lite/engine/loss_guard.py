@@ -53,42 +53,54 @@ class IgnoreNonFinite:
         pass
 
 
+def _added(total: Optional[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+    """``total + loss`` (a running float32 sum on the loss's device), in place after the first call.
+
+    A sum is non-finite once any of its terms is (inf + x = inf, inf - inf = nan), so one in-place add per
+    micro-step is all the watching costs; ``.data`` keeps autograd out of it."""
+    value = loss.data if not loss.ndim else loss.data.sum()
+    if total is None:
+        return value.to(torch.float32, copy=True)
+    return total.add_(value)
+
+
 class RaiseOnNonFinite(IgnoreNonFinite):
     """Flags non-finite losses on the device; ``check`` raises naming the first optimizer step that had one.
 
-    Per micro-step two small device kernels (is the loss finite; and the running "all finite so far"), per
-    update one (count the updates that were all finite): no host read until ``check``.
+    Per micro-step one small in-place add (the running sum of the losses), per update two (count the updates
+    whose sum is still finite): no host read until ``check``.
     """
 
     def __init__(self):
-        self._all_finite: Optional[torch.Tensor] = None  # bool: every loss watched so far was finite
+        self._loss_sum: Optional[torch.Tensor] = None  # every loss watched so far, summed (finite while they all are)
         self._good_updates: Optional[torch.Tensor] = None  # int64: updates before the first non-finite loss
         self._first_update = 0  # engine.num_updates when the watch began (the count above starts there)
 
     def watch(self, loss: torch.Tensor) -> None:
-        finite = torch.isfinite(loss.detach()).all()
-        if self._all_finite is None:
-            self._all_finite = finite.clone()
-            self._good_updates = torch.zeros((), dtype=torch.int64, device=finite.device)
-        else:
-            self._all_finite.logical_and_(finite)
+        self._loss_sum = _added(self._loss_sum, loss)
 
     def end_window(self) -> None:
-        if self._all_finite is not None:
-            self._good_updates.add_(self._all_finite)
+        if self._loss_sum is not None:
+            if self._good_updates is None:
+                self._good_updates = torch.zeros((), dtype=torch.int64, device=self._loss_sum.device)
+            self._good_updates.add_(self._loss_sum.isfinite())
 
     def start_counting_at(self, num_updates: int) -> None:
         """The engine's update count now (set at build and after a checkpoint is loaded): steps are named from it."""
         self._first_update = num_updates
-        self._all_finite = self._good_updates = None
+        self._loss_sum = self._good_updates = None
 
     def check(self) -> None:
         """Raise ``NonFiniteLossError`` if any rank saw a non-finite loss (reads the device; a collective)."""
         world = _world()
-        if self._all_finite is None and world == 1:
+        if self._loss_sum is None and world == 1:
             return
-        flags = torch.tensor([1, 2**62], dtype=torch.int64) if self._all_finite is None else \
-            torch.stack([self._all_finite.to(torch.int64), torch.where(self._all_finite, 2**62, self._good_updates)])
+        if self._loss_sum is None:
+            flags = torch.tensor([1, 2**62], dtype=torch.int64)
+        else:
+            finite = self._loss_sum.isfinite()
+            good = self._good_updates if self._good_updates is not None else torch.zeros_like(finite, dtype=torch.int64)
+            flags = torch.stack([finite.to(torch.int64), torch.where(finite, 2**62, good)])
         if world > 1:
             flags = flags.to(_collective_device())
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
@@ -107,22 +119,18 @@ class SkipNonFinite(IgnoreNonFinite):
     """Skips an update whose window had a non-finite loss on any rank (one host read per update)."""
 
     def __init__(self):
-        self._window_finite: Optional[torch.Tensor] = None
+        self._window_sum: Optional[torch.Tensor] = None  # the window's losses, summed
         self.skipped = 0  # updates skipped so far
 
     def watch(self, loss: torch.Tensor) -> None:
-        finite = torch.isfinite(loss.detach()).all()
-        if self._window_finite is None:
-            self._window_finite = finite.clone()
-        else:
-            self._window_finite.logical_and_(finite)
+        self._window_sum = _added(self._window_sum, loss)
 
     def end_window(self) -> None:
-        self._window_finite = None
+        self._window_sum = None
 
     def allows_step(self) -> bool:
-        flag = self._window_finite
-        ok = torch.ones((), dtype=torch.int64) if flag is None else flag.to(torch.int64)
+        total = self._window_sum
+        ok = torch.ones((), dtype=torch.int64) if total is None else total.isfinite().to(torch.int64)
         if _world() > 1:
             ok = ok.to(_collective_device())
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
