@@ -372,9 +372,10 @@ def _check_combinations(checker: _Checker, config: Config):
         return
     stage = zero.get("stage")
     fp16 = config.get("fp16") or {}
-    if fp16 and normalize_amp_mode(fp16.get("mode")) is AMP_TYPE.NAIVE:
-        checker.fail(("fp16", "mode"), "AMP_TYPE.NAIVE keeps fp16 weights with fp32 master copies, which ZeRO's sharded "
-                     "parameters and optimizer cannot hold", "use fp16=dict(mode=AMP_TYPE.TORCH) or AMP_TYPE.BF16 with zero")
+    if stage in (2, 3) and fp16 and normalize_amp_mode(fp16.get("mode")) is AMP_TYPE.NAIVE:
+        checker.fail(("fp16", "mode"), "AMP_TYPE.NAIVE keeps fp16 weights with fp32 master copies, which FSDP2's sharded "
+                     "parameters (zero stages 2 and 3) cannot hold", "use fp16=dict(mode=AMP_TYPE.TORCH) or "
+                     "AMP_TYPE.BF16 with zero stage 2/3, or zero=dict(stage=1) with AMP_TYPE.NAIVE")
     if config.get("gradient_handler") is not None:
         checker.fail(("gradient_handler",), "ZeRO reduces gradients itself (DDP for stage 1, FSDP2 for stages 2 and 3)",
                      "remove 'gradient_handler' when 'zero' is set")
