@@ -27,12 +27,14 @@ _malloc_tuned = False
 def return_large_frees_to_the_system() -> bool:
     """Make glibc map host allocations of ``LARGE_ALLOCATION_BYTES`` or more on their own and unmap them when freed.
 
-    ZeRO frees and re-allocates large buffers every step (FSDP2 gathers each unit's parameters and reduce-scatters
-    its gradients; ZeroRedundancyOptimizer broadcasts updated parameters). glibc's default moves its mmap threshold
-    up to the size of the largest block freed so far, so these buffers then come from the heap instead, whose holes
-    are rarely returned: the resident memory grows step after step and its peak stays above DDP's. A fixed threshold
-    keeps it flat. Process-wide and once; nothing is changed when the user set glibc's own variables for it, or on
-    another C library. Returns True when the setting was applied (now or before).
+    On the CPU, ZeRO allocates and frees large buffers of many sizes in every step (FSDP2: each unit's gathered
+    parameters, the collectives' inputs and outputs, the unsharded gradients; ZeroRedundancyOptimizer: the
+    parameters it broadcasts) between long-lived ones (sharded gradients, optimizer state). glibc's default raises
+    its mmap threshold to the largest block freed so far, so these buffers come from the heap, whose holes (pinned
+    by small allocations) are not returned: resident memory grows step after step and its peak ends above DDP's.
+    A fixed threshold keeps the peak at the live tensors, at the price of fresh pages (page faults) for those
+    buffers in every step. Process-wide and once; nothing is changed when the user set glibc's own variables for
+    it (their choice wins), or on another C library. Returns True when the setting is in force.
     """
     global _malloc_tuned
     if _malloc_tuned:
@@ -47,6 +49,11 @@ def return_large_frees_to_the_system() -> bool:
     ok = libc.mallopt(_M_TRIM_THRESHOLD, 2 * LARGE_ALLOCATION_BYTES) == 1 and ok
     _malloc_tuned = ok
     return ok
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    """True when training runs in host memory (with a GPU, the per-step buffers are device memory)."""
+    return any(p.device.type == "cpu" for p in model.parameters())
 
 
 def _require_unstepped(optimizer: torch.optim.Optimizer, stage: int):
@@ -100,7 +107,8 @@ class ZeroStage1Strategy(DDPStrategy):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         _require_unstepped(optimizer, 1)
-        return_large_frees_to_the_system()
+        if _on_cpu(model):
+            return_large_frees_to_the_system()
         # Built over the user's own group dicts (with their per-group hyper-parameters and scheduler keys such as
         # initial_lr), and sharing their list: an LR scheduler on the user's optimizer writes the LRs that the ZeRO
         # optimizer copies into its shard's optimizer at every step.
@@ -156,7 +164,8 @@ class FSDPStrategy(SingleProcess):
         from torch.distributed.fsdp import fully_shard
 
         _require_unstepped(optimizer, self.stage)
-        return_large_frees_to_the_system()
+        if _on_cpu(model):
+            return_large_frees_to_the_system()
         group_names = _group_param_names(model, optimizer)
         units = self._units(model)
         if self.param_dtype is not None:
