@@ -129,6 +129,7 @@ class ZeroStage1Strategy(DDPStrategy):
         dist.broadcast_object_list(state, src=0)
         return state[0]
 
+
 def default_shard_modules(model: nn.Module) -> List[nn.Module]:
     """Sharding units when none are named: the children of the largest ``nn.ModuleList``/``Sequential`` (the
     repeated blocks), else the direct children that hold parameters."""
