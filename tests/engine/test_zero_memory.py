@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from dist_helpers import run_torchrun
+from dist_helpers import run_python, run_torchrun
 
 RANK_SCRIPT = r'''
 import json, resource, sys, weakref
@@ -83,3 +83,17 @@ def test_peak_memory_of_training_is_below_the_target_fraction_of_ddp(memory, mod
 def test_peak_memory_is_flat_after_the_first_step(memory, mode):
     for rank in memory[mode]:
         assert rank["growth"][-1] - rank["growth"][1] <= FLAT_MIB, rank["growth"]
+
+
+ALLOCATOR_SCRIPT = r'''
+from colossal_lite.engine.zero import return_large_frees_to_the_system
+print("applied" if return_large_frees_to_the_system() else "kept")
+'''
+
+
+@pytest.mark.parametrize("env,expected", [({}, "applied"), (dict(MALLOC_MMAP_THRESHOLD_="33554432"), "kept"),
+                                          (dict(GLIBC_TUNABLES="glibc.malloc.trim_threshold=67108864"), "kept")])
+def test_the_allocator_setting_leaves_the_users_own_alone(tmp_path, env, expected):
+    script = tmp_path / "allocator.py"
+    script.write_text(ALLOCATOR_SCRIPT)
+    assert run_python(script, env=env, timeout=60).stdout.split() == [expected]
