@@ -12,6 +12,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 from ..amp.amp_type import AMP_TYPE
+from ..logging import get_dist_logger
 from .config import Config, ConfigException
 from .hints import amp_mode_meant, as_bool, as_choice, as_number, as_positive_int, as_positive_number, as_seconds, py
 
@@ -23,6 +24,9 @@ NAIVE_AMP_OPTIONS = dict(
 )
 BF16_OPTIONS: Dict[str, Any] = {}
 ZERO_OPTIONS = dict(stage=None, offload_optimizer=False, shard_modules=None, reshard_after_forward=None)
+# Older Colossal-AI examples write zero = dict(level=2, cpu_offload=True, verbose=False): today's name of each
+# (None: the key has no effect and is dropped).
+LEGACY_ZERO_KEYS = dict(level="stage", cpu_offload="offload_optimizer", verbose=None)
 GRADIENT_HANDLERS = ("DataParallelGradientHandler",)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -192,13 +196,38 @@ class _Checker:
             self.fail(("zero",), "the legacy ShardedModelV2 form (model_config/optimizer_config) is not supported",
                       "write zero = dict(stage=1|2|3) to use torch's ZeroRedundancyOptimizer / FSDP2")
         for k in value:
-            if k not in ZERO_OPTIONS:
-                self.fail(("zero", k), "not an option of zero", f"remove it{self._suggest(k, ZERO_OPTIONS)} (accepted: {', '.join(ZERO_OPTIONS)})")
+            if k not in ZERO_OPTIONS and k not in LEGACY_ZERO_KEYS:
+                self.fail(("zero", k), "not an option of zero", f"remove it{self._suggest(k, [*ZERO_OPTIONS, *LEGACY_ZERO_KEYS])} "
+                          f"(accepted: {', '.join(ZERO_OPTIONS)})")
+        if any(k in value for k in LEGACY_ZERO_KEYS):
+            value = self._legacy_zero(value)
         if value.get("stage") not in (1, 2, 3):
             stage = as_positive_int(value.get("stage"))
             meant = {**value, "stage": stage} if stage in (1, 2, 3) else None
             self.fail(("zero", "stage"), f"expected 1, 2 or 3, got {value.get('stage')!r}",
                       _write("zero", meant, {**value, "stage": 2}))
+
+    def _legacy_zero(self, value: dict) -> dict:
+        """``zero = dict(level=..., cpu_offload=..., verbose=...)`` rewritten in today's names, in the config itself,
+        with an info line that shows the new form."""
+        mapped = {}
+        for k, v in value.items():
+            new = LEGACY_ZERO_KEYS.get(k, k)
+            if k in LEGACY_ZERO_KEYS and new in value:
+                self.fail(("zero", k), f"is the legacy name of '{new}', which is set too", f"remove '{k}'")
+            if k == "level" and (_is_bool(v) or v not in (1, 2, 3)):
+                level = as_positive_int(v)
+                self.fail(("zero", "level"), f"expected 1, 2 or 3 (the ZeRO stage), got {v!r}",
+                          _write("zero", dict(stage=level) if level in (1, 2, 3) else None, dict(stage=2)))
+            if k in ("cpu_offload", "verbose") and not _is_bool(v):
+                self.fail(("zero", k), f"expected True or False, got {v!r}", _write(k, as_bool(v), False, "="))
+            if new is not None and not (k == "cpu_offload" and v is False):  # False is offload_optimizer's default
+                mapped[new] = v
+        self.config["zero"] = mapped
+        get_dist_logger().info(f"{self.config._where('zero')}: config key 'zero': the legacy form {py(dict(value))} is "
+                               f"read as zero = {py(mapped)}" + (" (verbose has no effect)" if "verbose" in value else ""),
+                               ranks=[0])
+        return mapped
 
     def dist_timeout(self, value):
         if not _is_number(value) or value <= 0:
@@ -372,9 +401,10 @@ def _check_combinations(checker: _Checker, config: Config):
         return
     stage = zero.get("stage")
     fp16 = config.get("fp16") or {}
-    if fp16 and normalize_amp_mode(fp16.get("mode")) is AMP_TYPE.NAIVE:
-        checker.fail(("fp16", "mode"), "AMP_TYPE.NAIVE keeps fp16 weights with fp32 master copies, which ZeRO's sharded "
-                     "parameters and optimizer cannot hold", "use fp16=dict(mode=AMP_TYPE.TORCH) or AMP_TYPE.BF16 with zero")
+    if stage in (2, 3) and fp16 and normalize_amp_mode(fp16.get("mode")) is AMP_TYPE.NAIVE:
+        checker.fail(("fp16", "mode"), "AMP_TYPE.NAIVE keeps fp16 weights with fp32 master copies, which FSDP2's sharded "
+                     "parameters (zero stages 2 and 3) cannot hold", "use fp16=dict(mode=AMP_TYPE.TORCH) or "
+                     "AMP_TYPE.BF16 with zero stage 2/3, or zero=dict(stage=1) with AMP_TYPE.NAIVE")
     if config.get("gradient_handler") is not None:
         checker.fail(("gradient_handler",), "ZeRO reduces gradients itself (DDP for stage 1, FSDP2 for stages 2 and 3)",
                      "remove 'gradient_handler' when 'zero' is set")

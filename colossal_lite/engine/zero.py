@@ -4,7 +4,12 @@ stages 2 and 3 = FSDP2 (``torch.distributed.fsdp.fully_shard``). No home-made sh
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional, Sequence
+import ctypes
+import ctypes.util
+import inspect
+import os
+import platform
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -12,25 +17,81 @@ from torch import nn
 
 from .strategy import DDPStrategy, SingleProcess
 
-
-def _param_names(model: nn.Module) -> Dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
-
-
-def _groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[dict]:
-    """The optimizer's param groups with parameters replaced by their names (to rebuild after wrapping)."""
-    names = _param_names(model)
-    groups = []
-    for g in optimizer.param_groups:
-        group = {k: v for k, v in g.items() if k != "params"}
-        group["params"] = [names[id(p)] for p in g["params"]]
-        groups.append(group)
-    return groups
+# glibc mallopt parameters (malloc.h) and the size from which freed host memory goes straight back to the system
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+LARGE_ALLOCATION_BYTES = 1 << 20
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+_malloc_tuned = False
 
 
-def _rebuild_groups(model: nn.Module, groups: List[dict]) -> List[dict]:
+def return_large_frees_to_the_system() -> bool:
+    """Make glibc map host allocations of ``LARGE_ALLOCATION_BYTES`` or more on their own and unmap them when freed.
+
+    On the CPU, ZeRO allocates and frees large buffers of many sizes in every step (FSDP2: each unit's gathered
+    parameters, the collectives' inputs and outputs, the unsharded gradients; ZeroRedundancyOptimizer: the
+    parameters it broadcasts) between long-lived ones (sharded gradients, optimizer state). glibc's default raises
+    its mmap threshold to the largest block freed so far, so these buffers come from the heap, whose holes (pinned
+    by small allocations) are not returned: resident memory grows step after step and its peak ends above DDP's.
+    A fixed threshold keeps the peak at the live tensors, at the price of fresh pages (page faults) for those
+    buffers in every step. Process-wide and once; nothing is changed when the user set glibc's own variables for
+    it (their choice wins), or on another C library. Returns True when the setting is in force.
+    """
+    global _malloc_tuned
+    if _malloc_tuned:
+        return True
+    if any(v in os.environ for v in _MALLOC_ENV) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION_BYTES) == 1
+    # the trim threshold is fixed too: glibc had raised it along with the mmap threshold (to twice that)
+    ok = libc.mallopt(_M_TRIM_THRESHOLD, 2 * LARGE_ALLOCATION_BYTES) == 1 and ok
+    _malloc_tuned = ok
+    return ok
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    """True when training runs in host memory (with a GPU, the per-step buffers are device memory)."""
+    return any(p.device.type == "cpu" for p in model.parameters())
+
+
+def _require_unstepped(optimizer: torch.optim.Optimizer, stage: int):
+    """ZeRO re-points the optimizer at sharded parameters; state it already holds would belong to the old ones."""
+    if any(state for state in optimizer.state.values()):
+        raise ValueError(f"zero stage {stage}: the optimizer passed to initialize() has already taken a step, so it "
+                         f"holds state (e.g. momentum) for the unsharded parameters. Fix: pass an optimizer that has "
+                         f"not stepped yet, and load a checkpoint after initialize() to resume")
+
+
+def _group_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[List[str]]:
+    """Each param group's parameters by name in ``model`` (names survive sharding; tensors do not)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
+    if missing:
+        raise ValueError(f"zero: {len(missing)} of the optimizer's parameters are not parameters of the model; "
+                         f"build the optimizer from model.parameters()")
+    return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def _point_groups_at(model: nn.Module, optimizer: torch.optim.Optimizer, group_names: List[List[str]]):
+    """Swap the parameters in the optimizer's own param groups for the model's (now sharded) ones of the same names.
+
+    The optimizer object, its group dicts and their hyper-parameters stay, so an LR scheduler built on it before
+    ``initialize`` keeps driving it, and the unsharded parameters are no longer referenced (their memory is freed).
+    """
     params = dict(model.named_parameters())
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in g["params"]]} for g in groups]
+    for group, names in zip(optimizer.param_groups, group_names):
+        group["params"] = [params[n] for n in names]
+    optimizer.state.clear()  # no entries are kept for the replaced tensors (all empty: nothing has stepped)
+
+
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's constructor arguments (``defaults``), without keys its constructor does not take."""
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}
 
 
 class ZeroStage1Strategy(DDPStrategy):
@@ -38,16 +99,26 @@ class ZeroStage1Strategy(DDPStrategy):
 
     name = "ZeRO stage 1 (ZeroRedundancyOptimizer over DDP)"
 
+    def __init__(self, **ddp_kwargs):
+        # gradients as views of DDP's all-reduce buckets: one copy of the gradients per rank instead of two
+        super().__init__(**{"gradient_as_bucket_view": True, **ddp_kwargs})
+
     def setup(self, model, optimizer):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        if optimizer.state:
-            raise ValueError("zero stage 1 rebuilds the optimizer; pass one that has not stepped yet")
-        groups = optimizer.param_groups
-        first = {k: v for k, v in groups[0].items() if k != "params"}
-        zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=type(optimizer), **first)
-        for g in groups[1:]:
-            zero.add_param_group(dict(g))
+        _require_unstepped(optimizer, 1)
+        if _on_cpu(model):
+            return_large_frees_to_the_system()
+        # Built over the user's own group dicts (with their per-group hyper-parameters and scheduler keys such as
+        # initial_lr), and sharing their list: an LR scheduler on the user's optimizer writes the LRs that the ZeRO
+        # optimizer copies into its shard's optimizer at every step.
+        zero = ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=type(optimizer),
+                                       **_constructor_defaults(optimizer))
+        zero.param_groups = optimizer.param_groups
+        if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+            # torch's scheduler warns "lr_scheduler.step() before optimizer.step()" when the optimizer it was built
+            # on never steps itself; here the ZeRO optimizer steps for it
+            optimizer._opt_called = True
         model, _ = super().setup(model, zero)
         return model, zero
 
@@ -71,6 +142,10 @@ def default_shard_modules(model: nn.Module) -> List[nn.Module]:
     return [u for u in units if any(True for _ in u.parameters())]
 
 
+# normalisation layers, kept in fp32 under bf16/fp16 (as autocast keeps them)
+NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
 class FSDPStrategy(SingleProcess):
     """FSDP2: gradients and optimizer state sharded (stage 2), parameters too (stage 3)."""
 
@@ -87,30 +162,53 @@ class FSDPStrategy(SingleProcess):
         self._root: Optional[nn.Module] = None
 
     def setup(self, model, optimizer):
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
-        groups = _groups_by_name(model, optimizer)
-        kwargs = dict(reshard_after_forward=self.reshard,
-                      mp_policy=MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32
-                                                     if self.param_dtype is not None else None),
-                      offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.offload else OffloadPolicy())
-        if self.shard_modules:
-            wanted = set(self.shard_modules)
-            units = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
-            found = {type(m).__name__ for m in units}
-            missing = wanted - found
-            if missing:
-                present = sorted({type(m).__name__ for m in model.modules()})
-                raise ValueError(f"zero.shard_modules names {sorted(missing)}, which are not module classes of the model; "
-                                 f"the model has: {', '.join(present)}")
-        else:
-            units = default_shard_modules(model)
+        _require_unstepped(optimizer, self.stage)
+        if _on_cpu(model):
+            return_large_frees_to_the_system()
+        group_names = _group_param_names(model, optimizer)
+        units = self._units(model)
+        if self.param_dtype is not None:
+            # Normalisation layers become units of their own that keep fp32 parameters, the way autocast keeps them
+            # for DDP: BatchNorm's running statistics are buffers FSDP2 never casts, and batch_norm refuses
+            # low-precision weights next to fp32 statistics; LayerNorm/GroupNorm would lose their weights' precision.
+            # Every other parameter is still gathered in the low precision (half the all-gather traffic and unsharded
+            # memory of fp32 gathering left to autocast); norm layers hold a tiny share of the parameters.
+            norms = [m for m in model.modules() if isinstance(m, NORM_LAYERS) and m is not model
+                     and any(True for _ in m.parameters(recurse=False))]
+            for norm in norms:
+                fully_shard(norm, **self._shard_options(None))
+            units = [u for u in units if not any(u is n for n in norms)]
         for unit in units:
-            fully_shard(unit, **kwargs)
-        fully_shard(model, **kwargs)
+            fully_shard(unit, **self._shard_options(self.param_dtype))
+        fully_shard(model, **self._shard_options(self.param_dtype))
         self._root = model
-        optimizer = type(optimizer)(_rebuild_groups(model, groups), **optimizer.defaults)
+        _point_groups_at(model, optimizer, group_names)
         return model, optimizer
+
+    def _shard_options(self, param_dtype: Optional[torch.dtype]) -> dict:
+        """``fully_shard`` keyword arguments: parameters gathered in ``param_dtype`` (None: as stored, fp32),
+        gradients always reduced in fp32."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        reduce_dtype = torch.float32 if param_dtype is not None else None
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.offload else OffloadPolicy()
+        return dict(reshard_after_forward=self.reshard, offload_policy=offload,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+
+    def _units(self, model: nn.Module) -> List[nn.Module]:
+        """The sharding units: modules of the classes named in ``zero.shard_modules``, else the default ones."""
+        if not self.shard_modules:
+            return default_shard_modules(model)
+        wanted = set(self.shard_modules)
+        units = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
+        missing = wanted - {type(m).__name__ for m in units}
+        if missing:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(f"zero.shard_modules names {sorted(missing)}, which are not module classes of the model; "
+                             f"the model has: {', '.join(present)}")
+        return units
 
     @contextlib.contextmanager
     def _no_sync(self, model):
