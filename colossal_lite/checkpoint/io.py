@@ -18,6 +18,7 @@ import json
 import os
 import pickle
 import re
+import struct
 import warnings
 import zipfile
 import zlib
@@ -298,7 +299,7 @@ def verify_records(path: PathLike) -> bool:
             bad = archive.testzip()  # reads every record and compares its CRC-32
     except OSError as e:
         raise CheckpointDamagedError(f"could not read checkpoint file {path}: {_describe_os_error(e)}") from e
-    except Exception as e:  # noqa: BLE001 - zipfile reports a broken archive with many kinds of errors
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, RuntimeError, struct.error, zlib.error) as e:
         raise CheckpointDamagedError(f"checkpoint file {path} is damaged: its zip archive cannot be read "
                                      f"({type(e).__name__}: {e})") from e
     if bad is not None:

@@ -12,7 +12,8 @@ The file is the checkpoint's shared state with the full model and optimizer tens
 So it resumes like the folder, with any number of ranks and any ZeRO stage: each rank takes its own
 random state and data position when the world size is the one that wrote it. The optimizer state is
 keyed by parameter name, as sharded runs write it; ``optimizer_state_by_position`` turns it into the
-layout ``torch.optim.Optimizer.state_dict()`` has, for optimizers over unsharded parameters.
+layout ``torch.optim.Optimizer.state_dict()`` has, for optimizers over unsharded parameters, and
+``optimizer_state_by_name`` turns that layout back, for optimizers over sharded ones.
 The file is verified by the CRC-32 ``torch.save`` records for each record of its zip archive.
 """
 from __future__ import annotations
@@ -107,3 +108,25 @@ def optimizer_state_by_position(optimizer_state: Dict[str, Any]) -> Dict[str, An
         raise CheckpointError(f"the optimizer state names parameters that are in none of its param groups: "
                               f"{', '.join(map(str, unknown[:10]))}")
     return {"state": {position[name]: v for name, v in state.items()}, "param_groups": groups}
+
+
+def parameter_names(model, optimizer) -> List[str]:
+    """The names (in ``model``) of ``optimizer``'s parameters, in the order of its param groups."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+    if None in order:
+        raise CheckpointError("the optimizer holds parameters that are not the model's (e.g. fp32 master copies): "
+                              "its state cannot be matched to the checkpoint's by parameter name")
+    return order
+
+
+def optimizer_state_by_name(optimizer_state: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
+    """An optimizer state dict by position (``Optimizer.state_dict()``) keyed by parameter name instead,
+    as sharded optimizers load it; ``names`` are the parameter names in the optimizer's order."""
+    if keyed_by_name(optimizer_state):
+        return optimizer_state
+    count = sum(len(g["params"]) for g in optimizer_state["param_groups"])
+    if count != len(names):
+        raise CheckpointError(f"the checkpoint's optimizer has {count} parameters and this optimizer {len(names)}")
+    return {"state": {names[i]: v for i, v in (optimizer_state.get("state") or {}).items()},
+            "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in optimizer_state["param_groups"]]}

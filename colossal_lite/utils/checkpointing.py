@@ -10,7 +10,13 @@ import torch
 from torch import nn
 
 from ..checkpoint.io import CheckpointError, load_single_file
-from ..checkpoint.merged import is_merged, keyed_by_name, merged_meta, optimizer_state_by_position
+from ..checkpoint.merged import (
+    is_merged,
+    merged_meta,
+    optimizer_state_by_name,
+    optimizer_state_by_position,
+    parameter_names,
+)
 
 __all__ = ["load_model_state", "save_checkpoint", "load_checkpoint"]
 
@@ -190,9 +196,5 @@ def _load_optimizer(model: nn.Module, optimizer, state: Dict[str, Any]) -> None:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    if not keyed_by_name(state):  # a save_checkpoint file of an unsharded run: its parameters by position
-        names = {id(p): n for n, p in _unwrap(model).named_parameters()}
-        order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-        state = {"state": {order[i]: v for i, v in state["state"].items()},
-                 "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in state["param_groups"]]}
+    state = optimizer_state_by_name(state, parameter_names(_unwrap(model), optimizer))  # an unsharded run's file
     set_optimizer_state_dict(_unwrap(model), optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -12,6 +12,7 @@ import re
 import textwrap
 import warnings
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ COMMON = textwrap.dedent("""
         result = {}
         hooks = [LossHook(), LRSchedulerHook(sched, by_epoch=False), Snapshot(result)]
         if save_to:
-            hooks.append(SaveCheckpointHook(1, save_to))  # and at the end: after step 2, inside epoch 0
+            hooks.append(SaveCheckpointHook(1, save_to))  # every epoch, and at the end (max_steps)
         if load_hook:
             hooks.append(LoadCheckpointHook(load_hook))
         trainer = Trainer(engine)
@@ -89,9 +90,11 @@ SCRIPT = COMMON + textwrap.dedent("""
         assert ckpt_main(["ckpt", "merge", ck + "/epoch0-step2", merged]) == 0
     barrier()
     # the merged file, every way a checkpoint is accepted
-    results.update(ddp=fit(None, resume=merged), zero1=fit(dict(stage=1), resume=merged),
+    results.update(ddp=fit(None, resume=merged, save_to=ck + "/ddp"), zero1=fit(dict(stage=1), resume=merged),
                    zero2=fit(dict(stage=2), resume=merged), zero3=fit(stage3, resume=merged),
                    hook_ddp=fit(None, load_hook=merged))
+    # and back: the unsharded run's checkpoint (optimizer state by position) resumes under stage 3
+    results["ddp_checkpoint_zero3"] = fit(stage3, resume=ck + "/ddp/epoch0-step4")
     engine, _, sched = build(stage3)
     epoch = load_checkpoint(merged, engine.model, engine.optimizer, sched)
     results["load_checkpoint_zero3"] = dict(epoch=epoch, lr=sched.get_last_lr(),
@@ -142,6 +145,8 @@ def test_merged_file_resumes_under_ddp_and_every_zero_stage_on_two_ranks(stage3_
     for name in ("ddp", "zero1", "zero2", "zero3", "hook_ddp"):
         _close(got[name]["loaded"], reference["loaded"], f"{name} after loading")
         _close(got[name]["final"], reference["final"], f"{name} at the end")
+    assert got["ddp_checkpoint_zero3"]["loaded"]["step"] == 4
+    _close(got["ddp_checkpoint_zero3"]["final"], reference["final"], "a DDP checkpoint resumed under stage 3")
     assert got["load_checkpoint_zero3"]["epoch"] == 0
     for name in ("load_checkpoint_zero3", "legacy_file_zero3"):
         assert got[name]["lr"] == reference["loaded"]["lr"], name
@@ -198,19 +203,24 @@ def test_ckpt_export_reads_the_shards_and_info_describes_the_merged_file(stage3_
         capsys.readouterr().err
 
 
+def _flip_a_tensor_bit(source, damaged):
+    """Copy ``source`` (a torch.save file) to ``damaged`` with one bit flipped in the middle of a tensor's data;
+    returns the message that names the damaged record."""
+    data = bytearray(Path(source).read_bytes())
+    with zipfile.ZipFile(source) as archive:
+        record = next(r for r in archive.infolist() if "/data/" in r.filename and r.file_size >= 64)
+    start = record.header_offset  # the local header: 30 bytes, then the name and the extra field
+    name_len, extra_len = (int.from_bytes(data[start + at:start + at + 2], "little") for at in (26, 28))
+    data[start + 30 + name_len + extra_len + record.file_size // 2] ^= 0x01
+    Path(damaged).write_bytes(bytes(data))
+    return re.escape(f"checkpoint file {damaged} is damaged: its record {record.filename} differs from the "
+                     f"CRC-32 recorded for it when it was written")
+
+
 def test_a_damaged_merged_file_is_refused_naming_it(stage3_run, tmp_path):
     ck, _ = stage3_run
     damaged = tmp_path / "merged.pt"
-    data = bytearray((ck / "merged.pt").read_bytes())
-    with zipfile.ZipFile(ck / "merged.pt") as archive:  # one bit in the middle of a tensor's data
-        record = next(r for r in archive.infolist() if "/data/" in r.filename and r.file_size >= 64)
-    start = data.index(b"PK\x03\x04", record.header_offset)
-    name_len, extra_len = int.from_bytes(data[start + 26:start + 28], "little"), \
-        int.from_bytes(data[start + 28:start + 30], "little")
-    data[start + 30 + name_len + extra_len + record.file_size // 2] ^= 0x01
-    damaged.write_bytes(bytes(data))
-    message = re.escape(f"checkpoint file {damaged} is damaged: its record {record.filename} differs from the "
-                        f"CRC-32 recorded for it when it was written")
+    message = _flip_a_tensor_bit(ck / "merged.pt", damaged)
     with pytest.raises(CheckpointDamagedError, match=message):
         CheckpointManager(tmp_path, cleanup=False).load(damaged)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 3))
@@ -225,3 +235,16 @@ def test_a_save_checkpoint_file_is_refused_as_a_trainer_checkpoint_saying_what_r
             f"{tmp_path / 'ck.pt'} is a single file but not a merged checkpoint (written by save_checkpoint or "
             f"torch.save): load it with colossal_lite.utils.load_checkpoint, or LoadCheckpointHook")):
         CheckpointManager(tmp_path, cleanup=False).load(tmp_path / "ck.pt")  # what fit(resume_from=...) reads with
+
+
+def test_a_save_checkpoint_file_is_checked_against_its_record_crcs(tmp_path):
+    model = torch.nn.Linear(32, 4)
+    save_checkpoint(tmp_path / "ck.pt", 3, model)
+    assert load_checkpoint(tmp_path / "ck.pt", torch.nn.Linear(32, 4)) == 3
+    message = _flip_a_tensor_bit(tmp_path / "ck.pt", tmp_path / "damaged.pt")
+    with pytest.raises(CheckpointDamagedError, match=message):  # torch.load alone reads it without a word
+        load_checkpoint(tmp_path / "damaged.pt", torch.nn.Linear(32, 4))
+    # a file without CRCs (torch's pre-zip format) has nothing to compare: it loads as before
+    torch.save(torch.load(tmp_path / "ck.pt", weights_only=True), tmp_path / "old.pt",
+               _use_new_zipfile_serialization=False)
+    assert load_checkpoint(tmp_path / "old.pt", torch.nn.Linear(32, 4)) == 3
