@@ -27,7 +27,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 def _add_commands(sub) -> None:
     info = sub.add_parser("info", help="what a checkpoint holds: epoch, step, metrics, config summary, sizes")
     info.add_argument("path", help="a checkpoint folder, a last/best pointer, a checkpoint directory (shows its "
-                                   "last) or a save_checkpoint file")
+                                   "last), a merged file or a save_checkpoint file")
     export = sub.add_parser("export", help="write the bare model weights (a state_dict) for inference")
     export.add_argument("path", help="a checkpoint folder (sharded ones too), pointer, checkpoint directory, merged "
                                      "file or save_checkpoint file")

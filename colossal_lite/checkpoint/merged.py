@@ -123,8 +123,8 @@ def parameter_names(model, optimizer) -> List[str]:
 def optimizer_state_by_name(optimizer_state: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
     """An optimizer state dict by position (``Optimizer.state_dict()``) keyed by parameter name instead,
     as sharded optimizers load it; ``names`` are the parameter names in the optimizer's order."""
-    if keyed_by_name(optimizer_state):
-        return optimizer_state
+    if keyed_by_name(optimizer_state) or not isinstance(optimizer_state.get("param_groups"), list):
+        return optimizer_state  # already by name, or not torch's layout (a wrapper's own state): as it is
     count = sum(len(g["params"]) for g in optimizer_state["param_groups"])
     if count != len(names):
         raise CheckpointError(f"the checkpoint's optimizer has {count} parameters and this optimizer {len(names)}")

@@ -32,7 +32,7 @@ from torch.optim import lr_scheduler
 from ..checkpoint import CheckpointManager, capture_rng_state, checkpoint_name, restore_rng_state, to_plain
 from ..checkpoint.io import CheckpointError, format_bytes
 from ..checkpoint.manager import has_sharded_state, load_sharded, model_state_from
-from ..checkpoint.merged import optimizer_state_by_name, optimizer_state_by_position, parameter_names
+from ..checkpoint.merged import keyed_by_name, optimizer_state_by_name, optimizer_state_by_position, parameter_names
 from ..core.global_context import global_context as gpc
 from ..launch import preemption_exit_note, under_torchrun
 from ..nn.lr_scheduler import LinearWarmupLR, PolynomialLR
@@ -330,9 +330,11 @@ def _restore_engine(engine, path: Path, shared: Dict[str, Any], strict: bool) ->
 def _optimizer_state_for(engine, optimizer_state):
     """The checkpoint's full optimizer state in the layout this engine's optimizer loads: by parameter name
     over sharded parameters (ZeRO 2/3), by position otherwise (torch's own layout, ZeroRedundancyOptimizer's)."""
-    if engine.shards_state:
-        return optimizer_state_by_name(optimizer_state, parameter_names(engine.unwrapped_model, engine.optimizer))
-    return optimizer_state_by_position(optimizer_state)
+    if not engine.shards_state:
+        return optimizer_state_by_position(optimizer_state)
+    if keyed_by_name(optimizer_state):
+        return optimizer_state
+    return optimizer_state_by_name(optimizer_state, parameter_names(engine.unwrapped_model, engine.optimizer))
 
 
 def _restore_rank_state(trainer, path: Path, shared: Dict[str, Any], rank_state: Optional[Dict[str, Any]],

@@ -12,6 +12,7 @@ from torch import nn
 from ..checkpoint.io import CheckpointError, load_single_file
 from ..checkpoint.merged import (
     is_merged,
+    keyed_by_name,
     merged_meta,
     optimizer_state_by_name,
     optimizer_state_by_position,
@@ -196,5 +197,6 @@ def _load_optimizer(model: nn.Module, optimizer, state: Dict[str, Any]) -> None:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    state = optimizer_state_by_name(state, parameter_names(_unwrap(model), optimizer))  # an unsharded run's file
+    if not keyed_by_name(state):  # a file of an unsharded run: its parameters by position
+        state = optimizer_state_by_name(state, parameter_names(_unwrap(model), optimizer))
     set_optimizer_state_dict(_unwrap(model), optimizer, state, options=StateDictOptions(full_state_dict=True))

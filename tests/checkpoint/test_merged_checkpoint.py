@@ -28,7 +28,6 @@ COMMON = textwrap.dedent("""
     from torch import nn
     from torch.utils.data import TensorDataset
     import colossal_lite
-    from colossal_lite.checkpoint.merged import optimizer_state_by_position
     from colossal_lite.core import global_context as gpc
     from colossal_lite.trainer import Trainer
     from colossal_lite.trainer.hooks import BaseHook, LoadCheckpointHook, LossHook, LRSchedulerHook, SaveCheckpointHook
@@ -50,9 +49,10 @@ COMMON = textwrap.dedent("""
 
     def snapshot(engine, trainer):
         state = engine.state_dict()  # a collective under zero: full tensors on every rank
-        optim = optimizer_state_by_position(state["optimizer"])
+        optim = state["optimizer"]  # keyed by parameter name under zero 2/3, by position otherwise
+        order = [p for g in optim["param_groups"] for p in g["params"]]
         return dict(model={k: v.tolist() for k, v in state["model"].items()},
-                    optim={str(i): {k: v.tolist() for k, v in s.items()} for i, s in optim["state"].items()},
+                    optim={str(i): {k: v.tolist() for k, v in optim["state"][p].items()} for i, p in enumerate(order)},
                     lr=[g["lr"] for g in optim["param_groups"]], step=trainer.state.step, epoch=trainer.state.epoch)
 
     class Snapshot(BaseHook):
