@@ -13,12 +13,12 @@ from typing import Any, Dict, List, Optional
 from ..cli import quiet_on_broken_pipe
 from .io import format_bytes
 
-DESCRIPTION = "Inspect a checkpoint or export its model weights."
+DESCRIPTION = "Inspect a checkpoint, export its model weights, or merge a sharded one into one file."
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add ``ckpt info``, ``ckpt export`` and ``ckpt merge`` to ``subparsers`` (from ``parser.add_subparsers()``)."""
-    p = subparsers.add_parser("ckpt", help="inspect a checkpoint or export its model weights",
+    p = subparsers.add_parser("ckpt", help="inspect, export or merge a checkpoint",
                               description=DESCRIPTION)
     _add_commands(p.add_subparsers(dest="ckpt_command", required=True))
     return p
@@ -27,13 +27,16 @@ def register(subparsers) -> argparse.ArgumentParser:
 def _add_commands(sub) -> None:
     info = sub.add_parser("info", help="what a checkpoint holds: epoch, step, metrics, config summary, sizes")
     info.add_argument("path", help="a checkpoint folder, a last/best pointer, a checkpoint directory (shows its "
-                                   "last) or a save_checkpoint file")
+                                   "last), a merged file or a save_checkpoint file")
     export = sub.add_parser("export", help="write the bare model weights (a state_dict) for inference")
-    export.add_argument("path", help="a checkpoint folder, pointer, checkpoint directory or save_checkpoint file")
+    export.add_argument("path", help="a checkpoint folder (sharded ones too), pointer, checkpoint directory, merged "
+                                     "file or save_checkpoint file")
     export.add_argument("out", help="output file, loadable with torch.load(out, weights_only=True)")
-    merge = sub.add_parser("merge", help="turn a sharded (zero stage 2/3) checkpoint into one ordinary file")
+    merge = sub.add_parser("merge", help="turn a sharded (zero stage 2/3) checkpoint into one file that resumes with "
+                                         "any number of ranks and any zero stage")
     merge.add_argument("path", help="a checkpoint folder, pointer or checkpoint directory written by a sharded run")
-    merge.add_argument("out", help="output file: the whole state with full model and optimizer tensors")
+    merge.add_argument("out", help="output file: the whole checkpoint with full model and optimizer tensors; "
+                                   "resume with fit(resume_from=OUT) or LoadCheckpointHook(OUT)")
 
 
 def _short(value: Any, width: int = 70) -> str:
@@ -44,6 +47,8 @@ def _short(value: Any, width: int = 70) -> str:
 def format_info(info: Dict[str, Any]) -> str:
     """The text ``ckpt info`` prints."""
     lines = [f"checkpoint: {info['path']}" + (f"  ({', '.join(info['pointers'])})" if info.get("pointers") else "")]
+    if info.get("merged_from"):
+        lines.append(f"  merged from: {info['merged_from']} (resumes with any number of ranks and any zero stage)")
     lines.append(f"  epoch: {info.get('epoch')}   step: {info.get('step')}")
     metrics = info.get("metrics") or {}
     lines.append("  metrics: " + (", ".join(f"{k}={_short(v, 30)}" for k, v in metrics.items()) or "none"))
@@ -80,16 +85,19 @@ def _info(path: str) -> int:
 
 def _export(path: str, out: str) -> int:
     from ..utils.checkpointing import _strip_prefix
-    from .io import atomic_save, load_file, tensor_bytes
-    from .manager import is_single_file, load_shared, model_state_from, resolve_path
+    from .io import atomic_save, load_single_file, tensor_bytes
+    from .manager import has_sharded_state, is_single_file, load_shared, merge_sharded, model_state_from, resolve_path
 
     p = Path(path)
     if is_single_file(p):
-        state = load_file(p)
+        state = load_single_file(p)
         if not isinstance(state, dict):
             raise ValueError(f"{p} does not hold a checkpoint dict")
     else:
-        state = load_shared(resolve_path(p))
+        folder = resolve_path(p)
+        state = load_shared(folder)
+        if has_sharded_state(folder) and "model" not in (state.get("engine") or {}):
+            state = {"model": merge_sharded(folder)["model"]}  # a zero stage 2/3 checkpoint: its shards, merged
     weights = _strip_prefix(dict(model_state_from(state)))
     atomic_save(weights, out)
     print(f"wrote {len(weights)} tensors ({format_bytes(tensor_bytes(weights))}) to {out}; load them with "
@@ -98,28 +106,22 @@ def _export(path: str, out: str) -> int:
 
 
 def merge_checkpoint(path, out) -> dict:
-    """Shared state + the merged shards -> one file with full ``engine.model`` / ``engine.optimizer``."""
+    """Write the sharded checkpoint ``path`` names as one file ``out`` (see ``merged.py``); returns its content."""
     from .io import atomic_save
-    from .manager import load_shared, merge_sharded, resolve_path
+    from .manager import merge_checkpoint as merged_content
 
-    folder = resolve_path(Path(path))
-    shared = load_shared(folder)
-    merged = merge_sharded(folder)
-    engine = dict(shared.get("engine") or {})
-    engine["model"] = merged["model"]
-    engine["optimizer"] = merged["optimizer"]
-    shared["engine"] = engine
-    shared["merged_from"] = str(folder)
-    atomic_save(shared, out)
-    return shared
+    state = merged_content(path)
+    atomic_save(state, out)
+    return state
 
 
 def _merge(path: str, out: str) -> int:
     from .io import tensor_bytes
 
     state = merge_checkpoint(path, out)
-    print(f"wrote {out}: {len(state['engine']['model'])} model tensors, "
-          f"{format_bytes(tensor_bytes(state))} in all; resume from it with any number of ranks, or export it")
+    print(f"wrote {out}: {len(state['engine']['model'])} model tensors, {format_bytes(tensor_bytes(state))} in all; "
+          f"resume from it with any number of ranks and any zero stage (fit(resume_from={str(out)!r}) or "
+          f"LoadCheckpointHook), or export its weights with: colossal-lite ckpt export {out} model.pt")
     return 0
 
 

@@ -5,7 +5,9 @@ read goes through ``torch.load(..., weights_only=True, map_location="cpu")``, so
 never runs code from it. Writes go to a temporary name in the same folder, are flushed and
 fsynced, and then renamed into place, so a reader sees either the old file or the new one.
 Each write also returns a CRC-32 of the bytes as they went to the file; a read given that
-checksum compares it before unpickling, so a damaged file is reported as damaged.
+checksum compares it before unpickling, so a damaged file is reported as damaged. A single file
+(``save_checkpoint``, ``ckpt merge``) is checked against the CRC-32 that ``torch.save`` records for
+each record of its zip archive.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import json
 import os
 import pickle
 import re
+import struct
 import warnings
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
@@ -277,6 +281,33 @@ def verify_checksum(path: PathLike, expected: str) -> None:
                                      f"recorded when it was written")
 
 
+def verify_records(path: PathLike) -> bool:
+    """Compare every record of the ``torch.save`` file ``path`` with the CRC-32 its zip archive holds for it.
+
+    Raises ``CheckpointDamagedError`` naming the file and the record that differs; returns False when
+    the file carries no CRCs to compare (torch's pre-zip format, or written with
+    ``torch.serialization.set_crc32_options(False)``), True when every record matches. ``torch.load``
+    itself never compares them, so a flipped byte in a tensor would otherwise load silently.
+    """
+    path = Path(path)
+    if not zipfile.is_zipfile(path):
+        return False  # not a zip archive: torch.load reports the damage it meets
+    try:
+        with zipfile.ZipFile(path) as archive:
+            if not any(r.CRC for r in archive.infolist() if r.file_size):
+                return False
+            bad = archive.testzip()  # reads every record and compares its CRC-32
+    except OSError as e:
+        raise CheckpointDamagedError(f"could not read checkpoint file {path}: {_describe_os_error(e)}") from e
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, RuntimeError, struct.error, zlib.error) as e:
+        raise CheckpointDamagedError(f"checkpoint file {path} is damaged: its zip archive cannot be read "
+                                     f"({type(e).__name__}: {e})") from e
+    if bad is not None:
+        raise CheckpointDamagedError(f"checkpoint file {path} is damaged: its record {bad} differs from the CRC-32 "
+                                     f"recorded for it when it was written")
+    return True
+
+
 def save_file(obj: Any, path: PathLike) -> str:
     """``torch.save`` of ``to_plain(obj)`` to a new file ``path``, fsynced; returns its checksum."""
     plain = to_plain(obj)
@@ -363,3 +394,12 @@ def load_file(path: PathLike, checksum: Optional[str] = None) -> Any:
             f"trust where it came from.") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise CheckpointDamagedError(f"could not read checkpoint file {path}: it is truncated or damaged ({e})") from e
+
+
+def load_single_file(path: PathLike) -> Any:
+    """``load_file`` of a single-file checkpoint, after ``verify_records`` (it has no ``meta.json`` to check against)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"checkpoint file {path} does not exist")
+    verify_records(path)
+    return load_file(path)

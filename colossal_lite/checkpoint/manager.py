@@ -13,7 +13,9 @@ Layout of ``checkpoint_dir``::
 A checkpoint is written into ``.tmp-<name>-<pid>`` and renamed into place once every rank's file
 is in it and fsynced; the pointers move after that. A process killed at any instant therefore
 leaves ``last`` naming a complete checkpoint. Every file's checksum, computed as it is written, is
-verified before the file is read back, so a damaged file is never resumed from.
+verified before the file is read back, so a damaged file is never resumed from. A ZeRO stage 2/3
+checkpoint (with ``sharded/``) can be merged into one file (``merge_checkpoint``, ``merged.py``)
+that is read wherever a folder is.
 """
 from __future__ import annotations
 
@@ -43,13 +45,16 @@ from .io import (
     file_checksum,
     fsync_dir,
     load_file,
+    load_single_file,
     save_file,
     tensor_bytes,
     to_jsonable,
     to_plain,
     verify_checksum,
+    verify_records,
     write_json,
 )
+from .merged import MERGED_KEY, is_merged, merged_meta, merged_state, split_merged, warn_no_rank_state, warn_other_world
 
 SHARED_FILE = "shared.pt"
 SHARDED_DIR = "sharded"  # torch.distributed.checkpoint files: each rank writes its own shard
@@ -346,7 +351,8 @@ class CheckpointManager:
 
         ``"auto"``: ``last`` (or, without a ``last`` pointer, the newest complete checkpoint) or
         ``None`` when there is none, so a fresh run starts. ``"last"``, ``"best"``, ``"latest"``,
-        a folder path, a pointer file or a checkpoint name inside ``checkpoint_dir`` must exist.
+        a folder path, a pointer file, a merged file or a checkpoint name inside ``checkpoint_dir``
+        must exist.
         """
         if which is None:
             return None
@@ -683,7 +689,9 @@ def merge_sharded(path: PathLike) -> Dict[str, Any]:
 
     folder = Path(path) / SHARDED_DIR
     if not folder.is_dir():
-        raise CheckpointNotFoundError(f"{path} has no sharded state to merge ({folder} is missing)")
+        raise CheckpointNotFoundError(f"{path} has no sharded state to merge ({folder} is missing): it was not written "
+                                      f"by a zero stage 2/3 run, and its {SHARED_FILE} already holds the whole model "
+                                      f"and optimizer; resume from the folder itself")
     meta = read_meta(path)
     verify_files(path, meta)
     verify_sharded(path, meta)
@@ -695,32 +703,47 @@ def merge_sharded(path: PathLike) -> Dict[str, Any]:
 
 def read_checkpoint(path: PathLike, rank: int = 0, world_size: Optional[int] = None
                     ) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
-    """Read a checkpoint folder in this process only (no collectives): ``(shared_state, rank_state of rank)``.
+    """Read a checkpoint in this process only (no collectives): ``(shared_state, rank_state of rank)``.
 
-    Every file read is first compared with the checksum ``meta.json`` records (``CheckpointDamagedError``
-    naming the file); of the sharded files, this rank checks its share of ``world_size`` (all of them
-    when ``world_size`` is None). Checkpoints written before checksums were recorded are checked by size.
+    ``path`` is a checkpoint folder or a file ``ckpt merge`` wrote. Every file read is first compared
+    with the checksum ``meta.json`` records (``CheckpointDamagedError`` naming the file); of the sharded
+    files, this rank checks its share of ``world_size`` (all of them when ``world_size`` is None).
+    Checkpoints written before checksums were recorded are checked by size. A merged file is checked
+    against the CRC-32 of each record of its zip archive.
     """
     path = Path(path)
+    if path.is_file():
+        return split_merged(load_single_file(path), path, rank, world_size)
     meta = read_meta(path)
     verify_files(path, meta)
     sums = meta.get("checksums") or {}
-    saved_world = meta.get("world_size")
-    if world_size is not None and saved_world is not None and saved_world != world_size and rank == 0:
-        warnings.warn(f"checkpoint {path} was written by {saved_world} rank(s) and this run has {world_size}: "
-                      f"each rank's share of the data and its random state differ, so the resumed run will not "
-                      f"match an uninterrupted one exactly", stacklevel=2)
+    warn_other_world(path, meta.get("world_size"), rank, world_size)
     shared = load_file(path / SHARED_FILE, sums.get(SHARED_FILE))
     rank_path = path / rank_file(rank)
     if rank_path.is_file():
         rank_state = load_file(rank_path, sums.get(rank_file(rank)))
     else:
         rank_state = None
-        warnings.warn(f"checkpoint {path} was written by {meta.get('world_size')} rank(s) and has no state for rank "
-                      f"{rank}: its random state and data position start fresh, so the resumed run will not match "
-                      f"an uninterrupted one exactly", stacklevel=2)
+        warn_no_rank_state(path, meta.get("world_size"), rank)
     verify_sharded(path, meta, rank if world_size is not None else 0, world_size or 1)
     return shared, rank_state
+
+
+def merge_checkpoint(path: PathLike) -> Dict[str, Any]:
+    """The content of one file that holds the whole checkpoint ``path`` names (see ``merged.py``); every file verified.
+
+    ``path`` is a checkpoint folder written by a ZeRO stage 2/3 run, a pointer or a checkpoint directory.
+    """
+    if is_single_file(path):
+        raise CheckpointError(f"{path} is already a single file: ckpt merge reads a checkpoint folder written by a "
+                              f"zero stage 2/3 run (one with a {SHARDED_DIR}/ folder)")
+    folder = resolve_path(path)
+    meta = read_meta(folder)
+    full = merge_sharded(folder)  # verifies every file and every shard first
+    sums = meta.get("checksums") or {}
+    shared = load_file(folder / SHARED_FILE, sums.get(SHARED_FILE))
+    ranks = [load_file(folder / rank_file(r), sums.get(rank_file(r))) for r in range(int(meta.get("world_size") or 0))]
+    return merged_state(shared, full, ranks, meta, folder)
 
 
 def load_shared(folder: PathLike) -> Dict[str, Any]:
@@ -755,18 +778,16 @@ def _write_pointer(pointer: Path, name: str) -> None:
 
 def resolve_path(which: PathLike, checkpoint_dir: Optional[PathLike] = None) -> Path:
     """A checkpoint folder from a folder path, a ``last``/``best`` pointer file, a checkpoint directory
-    (its ``last``) or a name inside ``checkpoint_dir``."""
+    (its ``last``) or a name inside ``checkpoint_dir``; a single file (``ckpt merge``'s) is returned as it is."""
     candidates = [Path(which)]
     if checkpoint_dir is not None and not Path(which).is_absolute():
         candidates.append(Path(checkpoint_dir) / which)
     for path in candidates:
         if path.is_file():
             target = _read_pointer(path) if path.stat().st_size < 4096 else None
-            if target is not None and (path.parent / target).is_dir():
-                path = path.parent / target
-            else:
-                raise CheckpointError(f"{path} is a single file, not a checkpoint folder; read it with "
-                                      f"colossal_lite.utils.load_checkpoint (or checkpoint_info for a summary)")
+            if target is None or not (path.parent / target).is_dir():
+                return path  # a single file: read_checkpoint takes one ckpt merge wrote, and says what to do with others
+            path = path.parent / target
         if path.is_dir():
             if not (path / META_FILE).exists() and (path / "last").is_file():
                 target = _read_pointer(path / "last")
@@ -782,24 +803,13 @@ def resolve_path(which: PathLike, checkpoint_dir: Optional[PathLike] = None) -> 
 def checkpoint_info(path: PathLike) -> Dict[str, Any]:
     """What a checkpoint holds: epoch, step, metrics, config summary, versions and the size of each file and entry.
 
-    ``path`` is a checkpoint folder, a ``last``/``best`` pointer, a checkpoint directory (its
-    ``last`` is shown) or a single-file checkpoint from ``colossal_lite.utils.save_checkpoint``.
+    ``path`` is a checkpoint folder, a ``last``/``best`` pointer, a checkpoint directory (its ``last``
+    is shown), a single-file checkpoint from ``colossal_lite.utils.save_checkpoint`` or a file
+    ``ckpt merge`` wrote.
     """
     p = Path(path)
     if is_single_file(p):
-        state = load_file(p)
-        if not isinstance(state, dict):
-            raise CheckpointError(f"{p} does not hold a checkpoint dict (it holds a {type(state).__name__})")
-        lib = state.get("colossal_lite") if isinstance(state.get("colossal_lite"), dict) else {}
-        size = p.stat().st_size
-        return {
-            "path": str(p), "kind": "file", "name": p.name, "epoch": state.get("epoch"), "step": state.get("step"),
-            "metrics": {}, "config": to_jsonable(state.get("config")) if "config" in state else None,
-            "version": lib.get("version"), "torch_version": lib.get("torch_version"), "world_size": None,
-            "created_utc": None, "files": {p.name: size}, "total_bytes": size,
-            "entries": {str(k): tensor_bytes(v) for k, v in state.items() if k != "colossal_lite"},
-            "pointers": [],
-        }
+        return _file_info(p)
     folder = resolve_path(p)
     meta = read_meta(folder)
     files = {}
@@ -815,6 +825,32 @@ def checkpoint_info(path: PathLike) -> Dict[str, Any]:
         "world_size": meta.get("world_size"), "created_utc": meta.get("created_utc"), "files": files,
         "total_bytes": sum(files.values()), "entries": meta.get("entries", {}), "pointers": pointers,
         "damaged": damaged, "checksums": _checksum_summary(meta, damaged),
+    }
+
+
+def _file_info(p: Path) -> Dict[str, Any]:
+    """``checkpoint_info`` of a single file; a merged one reports the metadata of the folder it was made from."""
+    checked = verify_records(p)
+    state = load_file(p)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{p} does not hold a checkpoint dict (it holds a {type(state).__name__})")
+    lib = state.get("colossal_lite") if isinstance(state.get("colossal_lite"), dict) else {}
+    meta = merged_meta(state) if is_merged(state) else {}
+    size = p.stat().st_size
+    return {
+        "path": str(p), "kind": "merged file" if is_merged(state) else "file", "name": p.name,
+        "epoch": meta.get("epoch", state.get("epoch")), "step": meta.get("step", state.get("step")),
+        "metrics": meta.get("metrics") or {},
+        "config": meta.get("config", to_jsonable(state.get("config")) if "config" in state else None),
+        "version": meta.get("version", lib.get("version")),
+        "torch_version": meta.get("torch_version", lib.get("torch_version")),
+        "world_size": meta.get("world_size"), "created_utc": meta.get("created_utc"),
+        "merged_from": state[MERGED_KEY].get("from") if is_merged(state) else None,
+        "files": {p.name: size}, "total_bytes": size,
+        "entries": {str(k): tensor_bytes(v) for k, v in state.items() if k not in ("colossal_lite", MERGED_KEY)},
+        "pointers": [], "damaged": {},
+        "checksums": ("every record matches the CRC-32 recorded in the file" if checked else
+                      "none recorded in the file (an older torch format, or CRC-32 turned off when it was written)"),
     }
 
 

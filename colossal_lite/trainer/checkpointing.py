@@ -32,6 +32,7 @@ from torch.optim import lr_scheduler
 from ..checkpoint import CheckpointManager, capture_rng_state, checkpoint_name, restore_rng_state, to_plain
 from ..checkpoint.io import CheckpointError, format_bytes
 from ..checkpoint.manager import has_sharded_state, load_sharded, model_state_from
+from ..checkpoint.merged import keyed_by_name, optimizer_state_by_name, optimizer_state_by_position, parameter_names
 from ..core.global_context import global_context as gpc
 from ..launch import preemption_exit_note, under_torchrun
 from ..nn.lr_scheduler import LinearWarmupLR, PolynomialLR
@@ -40,7 +41,7 @@ from .hooks._log_hook import log_rank_0
 from .hooks._metric_hook import LRSchedulerHook
 
 __all__ = ["PREEMPTED_EXIT_CODE", "TrainingPreempted", "save_trainer_checkpoint", "load_trainer_checkpoint",
-           "checkpoint_metrics", "CheckpointSession", "checkpoint_round_trip"]
+           "restore_trainer_checkpoint", "checkpoint_metrics", "CheckpointSession", "checkpoint_round_trip"]
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): "temporary failure, run again" -- resume with resume_from='auto'
 TRAINER_FORMAT = 1
@@ -255,39 +256,35 @@ def load_trainer_checkpoint(trainer, manager: CheckpointManager, which: Union[st
                             train_loader=None, finetune: bool = False, strict: bool = True) -> Optional[Path]:
     """Restore the run from the checkpoint ``which`` names (see ``CheckpointManager.resolve``); every rank calls it.
 
-    Restores the engine (model, optimizer, loss scaler, accumulation window), the schedulers of the
-    ``LRSchedulerHook`` s, the progress and hook states, fires ``on_load_checkpoint``, then the data
-    position and the random state. ``finetune=True``: the model weights only, progress from 0.
-    ``which='auto'`` with nothing to resume returns None (a fresh start), and skips damaged checkpoints
-    with a warning (``CheckpointManager.read``). Call it with the hooks attached.
+    ``which`` may name a checkpoint folder or a file ``ckpt merge`` wrote. ``which='auto'`` with nothing
+    to resume returns None (a fresh start), and skips damaged checkpoints with a warning
+    (``CheckpointManager.read``). See ``restore_trainer_checkpoint`` for what is restored.
     """
-    if train_loader is None and getattr(trainer, "_checkpoints", None) is not None:
-        train_loader = trainer._checkpoints.train_loader
     found = manager.read(which)
     if found is None:
         return None
     path, shared, rank_state = found
-    engine, st = trainer.engine, trainer.state
+    return restore_trainer_checkpoint(trainer, path, shared, rank_state, train_loader, finetune, strict)
+
+
+def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank_state: Optional[Dict[str, Any]],
+                               train_loader=None, finetune: bool = False, strict: bool = True) -> Path:
+    """Restore the run from a checkpoint already read (``read_checkpoint``); every rank calls it. Returns ``path``.
+
+    Restores the engine (model, optimizer, loss scaler, accumulation window), the schedulers of the
+    ``LRSchedulerHook`` s, the progress and hook states, fires ``on_load_checkpoint``, then the data
+    position and the random state. ``finetune=True``: the model weights only, progress from 0.
+    Call it with the hooks attached.
+    """
+    if train_loader is None and getattr(trainer, "_checkpoints", None) is not None:
+        train_loader = trainer._checkpoints.train_loader
+    st = trainer.state
     if finetune:
         _load_weights_only(trainer, path, shared, strict)
         st.load_state_dict({"epoch": 0, "step": 0, "iteration": 0, "batch_idx": 0})
         trainer._step_from_epoch = False
         return path
-
-    engine_state = shared.get("engine")
-    if not isinstance(engine_state, dict):
-        raise CheckpointError(f"checkpoint {path} holds no trainer state (no 'engine' entry; top-level keys "
-                              f"{sorted(map(str, shared))}); a weights-only file loads with finetune=True or "
-                              f"colossal_lite.utils.load_checkpoint")
-    if has_sharded_state(path) and "model" not in engine_state:
-        if not engine.shards_state:
-            raise CheckpointError(f"checkpoint {path} holds model and optimizer as zero stage 2/3 shards; resume it "
-                                  f"with zero stage 2/3, or write one file first: colossal-lite ckpt merge {path} "
-                                  f"merged.pt")
-        state = engine.sharded_state_dict()
-        load_sharded(path, state)
-        engine.load_sharded_state_dict(state)
-    engine.load_state_dict(engine_state, strict=strict)
+    _restore_engine(trainer.engine, path, shared, strict)
 
     saved_schedulers = shared.get("lr_schedulers") or {}
     for key, hook in _scheduler_hooks(trainer):
@@ -306,23 +303,60 @@ def load_trainer_checkpoint(trainer, manager: CheckpointManager, which: Union[st
 
     checkpoint = dict(shared, rank_state=rank_state if rank_state is not None else {})
     trainer.fire("on_load_checkpoint", checkpoint)
-
-    saved_world = (shared.get("colossal_lite") or {}).get("world_size")
-    if rank_state is not None:
-        same_world = saved_world in (None, _world())  # this rank's data position and sums are its own
-        data = rank_state.get("data")
-        load = getattr(train_loader, "load_state_dict", None)
-        if data is not None and callable(load) and same_world:
-            load(data)  # the sampler starts after the samples already seen; nothing is loaded to skip them
-        if same_world:  # this rank's sums of the epoch so far (used when it resumes inside one)
-            trainer._pending_metric_states = rank_state.get("metrics") or None
-        elif rank_state.get("metrics") and st.batch_idx:
-            warnings.warn(f"checkpoint {path} was written by {saved_world} ranks and this run has {_world()}: the "
-                          f"train metrics of the resumed epoch ({', '.join(sorted(rank_state['metrics']))}) count only "
-                          f"its batches from batch {st.batch_idx} on", stacklevel=2)
-        if rank_state.get("rng") is not None:
-            restore_rng_state(rank_state["rng"])
+    _restore_rank_state(trainer, path, shared, rank_state, train_loader)
     return path
+
+
+def _restore_engine(engine, path: Path, shared: Dict[str, Any], strict: bool) -> None:
+    """Model, optimizer, loss scaler, accumulation window: from the shards with ZeRO 2/3, else from ``shared``."""
+    engine_state = shared.get("engine")
+    if not isinstance(engine_state, dict):
+        raise CheckpointError(f"checkpoint {path} holds no trainer state (no 'engine' entry; top-level keys "
+                              f"{sorted(map(str, shared))}); a weights-only file loads with finetune=True or "
+                              f"colossal_lite.utils.load_checkpoint")
+    if has_sharded_state(path) and "model" not in engine_state:
+        if not engine.shards_state:
+            raise CheckpointError(f"checkpoint {path} holds model and optimizer as zero stage 2/3 shards; resume it "
+                                  f"with zero stage 2/3, or write one file first: colossal-lite ckpt merge {path} "
+                                  f"merged.pt")
+        state = engine.sharded_state_dict()
+        load_sharded(path, state)
+        engine.load_sharded_state_dict(state)
+    elif "optimizer" in engine_state:  # whole tensors, by name (merged from shards) or by position (unsharded)
+        engine_state = dict(engine_state, optimizer=_optimizer_state_for(engine, engine_state["optimizer"]))
+    engine.load_state_dict(engine_state, strict=strict)
+
+
+def _optimizer_state_for(engine, optimizer_state):
+    """The checkpoint's full optimizer state in the layout this engine's optimizer loads: by parameter name
+    over sharded parameters (ZeRO 2/3), by position otherwise (torch's own layout, ZeroRedundancyOptimizer's)."""
+    if not engine.shards_state:
+        return optimizer_state_by_position(optimizer_state)
+    if keyed_by_name(optimizer_state):
+        return optimizer_state
+    return optimizer_state_by_name(optimizer_state, parameter_names(engine.unwrapped_model, engine.optimizer))
+
+
+def _restore_rank_state(trainer, path: Path, shared: Dict[str, Any], rank_state: Optional[Dict[str, Any]],
+                        train_loader) -> None:
+    """This rank's data position and train metric sums (with the world size that wrote them), then its random state."""
+    if rank_state is None:
+        return
+    st = trainer.state
+    saved_world = (shared.get("colossal_lite") or {}).get("world_size")
+    same_world = saved_world in (None, _world())  # this rank's data position and sums are its own
+    data = rank_state.get("data")
+    load = getattr(train_loader, "load_state_dict", None)
+    if data is not None and callable(load) and same_world:
+        load(data)  # the sampler starts after the samples already seen; nothing is loaded to skip them
+    if same_world:  # this rank's sums of the epoch so far (used when it resumes inside one)
+        trainer._pending_metric_states = rank_state.get("metrics") or None
+    elif rank_state.get("metrics") and st.batch_idx:
+        warnings.warn(f"checkpoint {path} was written by {saved_world} ranks and this run has {_world()}: the "
+                      f"train metrics of the resumed epoch ({', '.join(sorted(rank_state['metrics']))}) count only "
+                      f"its batches from batch {st.batch_idx} on", stacklevel=3)
+    if rank_state.get("rng") is not None:
+        restore_rng_state(rank_state["rng"])
 
 
 def _unwrapped(scheduler):

@@ -9,6 +9,16 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
+from ..checkpoint.io import CheckpointError, load_single_file
+from ..checkpoint.merged import (
+    is_merged,
+    keyed_by_name,
+    merged_meta,
+    optimizer_state_by_name,
+    optimizer_state_by_position,
+    parameter_names,
+)
+
 __all__ = ["load_model_state", "save_checkpoint", "load_checkpoint"]
 
 
@@ -42,7 +52,8 @@ def check_model_state(own: Dict[str, torch.Tensor], state: Dict[str, torch.Tenso
 
 
 def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], strict: bool = True):
-    """Load ``state`` into ``model`` (DDP ``module.`` prefixes ignored either way).
+    """Load ``state`` (full tensors) into ``model`` (DDP ``module.`` prefixes ignored either way; a ZeRO
+    stage 2/3 model takes its shard of each tensor).
 
     With ``strict``, a mismatch raises a ``RuntimeError`` listing missing and unexpected
     keys and the shape mismatches.
@@ -50,7 +61,12 @@ def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], strict: b
     model = _unwrap(model)
     state = _strip_prefix(dict(state))
     missing, unexpected = check_model_state(model.state_dict(), state, strict)
-    model.load_state_dict(state, strict=False)
+    if _is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        model.load_state_dict(state, strict=False)
     return missing, unexpected
 
 
@@ -109,17 +125,26 @@ def _load_scheduler(lr_scheduler, state):
 
 def load_checkpoint(file, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler=None,
                     strict: bool = True) -> int:
-    """Load a ``save_checkpoint`` file into ``model`` (DDP-wrapped or not) and, when given, ``optimizer`` and
-    ``lr_scheduler``; returns the stored epoch (-1 if the file has none). Every rank calls it and reads ``file``.
+    """Load a ``save_checkpoint`` file into ``model`` (DDP-wrapped, ZeRO-sharded or not) and, when given,
+    ``optimizer`` and ``lr_scheduler``; returns the stored epoch (-1 if the file has none). Every rank calls it
+    and reads ``file``.
 
-    The file is read with ``torch.load(weights_only=True)``: one carrying other pickled objects is
-    refused and nothing in it runs. A model that does not match raises listing the missing and
-    unexpected keys and the shape mismatches (missing/unexpected keys are allowed with ``strict=False``).
+    A file ``colossal-lite ckpt merge`` wrote loads too: its model, optimizer and (first) scheduler,
+    and the epoch of the checkpoint it was merged from. The file is compared with the CRC-32 of
+    each record of its zip archive, then read with ``torch.load(weights_only=True)``: one carrying
+    other pickled objects is refused and nothing in it runs. A model that does not match raises
+    listing the missing and unexpected keys and the shape mismatches (missing/unexpected keys are
+    allowed with ``strict=False``).
     """
-    from ..checkpoint.io import CheckpointError, load_file
-
     path = Path(file)
-    state = load_file(path)
+    return load_checkpoint_state(load_single_file(path), path, model, optimizer, lr_scheduler, strict)
+
+
+def load_checkpoint_state(state, path: Path, model: nn.Module, optimizer=None, lr_scheduler=None,
+                          strict: bool = True) -> int:
+    """``load_checkpoint`` of the content of the file ``path``, already read."""
+    if is_merged(state):
+        state = _legacy_view(state)
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         found = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path} is not a save_checkpoint file: it has no 'model' entry (found {found})")
@@ -132,11 +157,11 @@ def load_checkpoint(file, model: nn.Module, optimizer: Optional[torch.optim.Opti
             continue
         if name not in state:
             warnings.warn(f"{path} holds no {name} state (saved without one, or by legacy Colossal-AI); "
-                          f"the {name} was left as it is", stacklevel=2)
+                          f"the {name} was left as it is", stacklevel=3)
             continue
         try:
             if name == "optimizer":
-                target.load_state_dict(state[name])
+                _load_optimizer(model, target, state[name])
             else:
                 _load_scheduler(target, state[name])
         except (ValueError, KeyError, TypeError) as e:
@@ -144,3 +169,34 @@ def load_checkpoint(file, model: nn.Module, optimizer: Optional[torch.optim.Opti
                              f"({type(target).__name__}): {e}") from e
     epoch = state.get("epoch", -1)
     return int(epoch) if isinstance(epoch, (int, float)) else -1
+
+
+def _legacy_view(merged: Dict[str, Any]) -> Dict[str, Any]:
+    """A merged checkpoint's content in ``save_checkpoint``'s layout: model, optimizer, the first scheduler, epoch."""
+    engine = merged.get("engine") or {}
+    view: Dict[str, Any] = {"model": engine.get("model"), "epoch": merged_meta(merged).get("epoch", -1)}
+    if "optimizer" in engine:
+        view["optimizer"] = engine["optimizer"]
+    schedulers = merged.get("lr_schedulers") or {}
+    if schedulers:
+        view["lr_scheduler"] = next(iter(schedulers.values()))  # the first LRSchedulerHook's
+    return view
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    """True for a model whose parameters are DTensors (ZeRO stage 2/3, FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _load_optimizer(model: nn.Module, optimizer, state: Dict[str, Any]) -> None:
+    """Full optimizer state into ``optimizer``: by parameter name for sharded parameters, else by position."""
+    if not _is_sharded(_unwrap(model)):
+        optimizer.load_state_dict(optimizer_state_by_position(state))
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if not keyed_by_name(state):  # a file of an unsharded run: its parameters by position
+        state = optimizer_state_by_name(state, parameter_names(_unwrap(model), optimizer))
+    set_optimizer_state_dict(_unwrap(model), optimizer, state, options=StateDictOptions(full_state_dict=True))

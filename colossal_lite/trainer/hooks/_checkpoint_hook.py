@@ -9,8 +9,11 @@ from pathlib import Path
 from typing import Optional, Tuple, Union
 
 from ...checkpoint import CheckpointManager
-from ...checkpoint.io import CheckpointNotFoundError
+from ...checkpoint.io import CheckpointNotFoundError, load_single_file
 from ...checkpoint.manager import is_single_file, read_meta
+from ...checkpoint.merged import is_merged, split_merged
+from ...core.global_context import global_context as gpc
+from ...utils.checkpointing import load_checkpoint_state
 from ..time import Interval, Time, TimeUnit
 from ._base_hook import BaseHook
 from ._log_hook import log_rank_0
@@ -134,7 +137,8 @@ class LoadCheckpointHook(BaseHook):
 
     Args:
         checkpoint_dir: a folder of checkpoints (``SaveCheckpointHook``'s), one checkpoint folder, a
-            ``last``/``best`` pointer, or a single file written by ``colossal_lite.utils.save_checkpoint``.
+            ``last``/``best`` pointer, a file ``colossal-lite ckpt merge`` wrote (restored as its folder
+            would be), or a single file written by ``colossal_lite.utils.save_checkpoint``.
         epoch: -1 loads the latest checkpoint (``last``); ``k`` the newest one taken in epoch ``k``
             (folder ``epoch{k}-step*``; an epoch's end checkpoint is named after that epoch).
         finetune: load the model weights only; progress, optimizer, schedulers, data order start from 0.
@@ -197,13 +201,24 @@ class LoadCheckpointHook(BaseHook):
                                     + f"; training starts at epoch {st.epoch}, step {st.step}")
 
     def _load_file(self, trainer, path: Path) -> Path:
-        """A ``save_checkpoint`` file: model (+ optimizer and the first LRSchedulerHook's scheduler unless finetune)."""
-        from ...utils.checkpointing import load_checkpoint
+        """A single file: one ``ckpt merge`` wrote restores the whole run, as its folder would; a ``save_checkpoint``
+        file the model (+ optimizer and the first LRSchedulerHook's scheduler unless finetune)."""
+        from ..checkpointing import restore_trainer_checkpoint
 
+        state = load_single_file(path)
+        if is_merged(state):
+            shared, rank_state = split_merged(state, path, gpc.get_global_rank(), gpc.get_world_size())
+            return restore_trainer_checkpoint(trainer, path, shared, rank_state, finetune=self.finetune,
+                                              strict=self.strict)
+        return self._load_saved_file(trainer, path, state)
+
+    def _load_saved_file(self, trainer, path: Path, state) -> Path:
+        """The content of a ``save_checkpoint`` file: model (+ optimizer and the first LRSchedulerHook's scheduler
+        unless finetune); training continues with the epoch after the one it holds."""
         engine, st = trainer.engine, trainer.state
         scheduler = next((h.lr_scheduler for h in trainer.hooks if isinstance(h, LRSchedulerHook)), None)
-        epoch = load_checkpoint(path, engine.model, None if self.finetune else engine.optimizer,
-                                None if self.finetune else scheduler, strict=self.strict)
+        epoch = load_checkpoint_state(state, path, engine.model, None if self.finetune else engine.optimizer,
+                                      None if self.finetune else scheduler, strict=self.strict)
         start = 0 if self.finetune or epoch < 0 else epoch + 1  # the file holds the epoch it finished
         spe = st.steps_per_epoch or 0
         st.load_state_dict({"epoch": start, "step": start * spe, "iteration": start * (st.iters_per_epoch or 0),
