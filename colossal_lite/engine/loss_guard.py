@@ -2,7 +2,7 @@
 
 One class per choice, always called by the Engine (``watch`` in ``backward``, ``allows_step`` in ``step``):
 
-- ``RaiseOnNonFinite`` ('raise', the default): flags the loss on the device, with no host read in the step,
+- ``RaiseOnNonFinite`` ('raise', the default): records the loss on the device, with no host read in the step,
   and ``check()`` raises ``NonFiniteLossError`` naming the first step, where the Trainer reads metrics anyway
   (an epoch's end, a checkpoint, the end of ``fit``). One inf loss turns every parameter into NaN, so the
   run is stopped there rather than left to train on NaN.
@@ -15,6 +15,7 @@ Each keeps its device flags across ranks' steps; every rank must call ``check``/
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -67,52 +68,86 @@ def _added(total: Optional[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
 class RaiseOnNonFinite(IgnoreNonFinite):
     """Flags non-finite losses on the device; ``check`` raises naming the first optimizer step that had one.
 
-    Per micro-step one small in-place add (the running sum of the losses), per update two (count the updates
-    whose sum is still finite): no host read until ``check``.
+    Each micro-step costs one small operator and no host read: the running sum of the losses so far (non-finite
+    once any loss is) is written into the next slot of a ring on the device, while the host notes which
+    optimizer step that micro-step belongs to. ``check`` reads the ring once and finds the first non-finite
+    sum. When more than ``ring_size`` micro-steps ran since the last check and the oldest kept sum is already
+    non-finite, the step is named as "or earlier".
     """
 
-    def __init__(self):
-        self._loss_sum: Optional[torch.Tensor] = None  # every loss watched so far, summed (finite while they all are)
-        self._good_updates: Optional[torch.Tensor] = None  # int64: updates before the first non-finite loss
-        self._first_update = 0  # engine.num_updates when the watch began (the count above starts there)
+    def __init__(self, ring_size: int = 1024):
+        self.ring_size = int(ring_size)
+        self._ring: Optional[torch.Tensor] = None  # float32 [ring_size]: running sums, one per micro-step
+        self._slots: tuple = ()  # the ring's slots as 0-dim views (made once: writing one costs no view op)
+        self._steps = [0] * self.ring_size  # host: the optimizer step each slot's micro-step belongs to
+        self._zero: Optional[torch.Tensor] = None
+        self._sum: Optional[torch.Tensor] = None  # the slot (or zero) holding the running sum so far
+        self._watched = 0  # micro-steps since the last check
+        self._updates = 0  # optimizer steps so far (the engine's count: set by start_counting_at)
 
     def watch(self, loss: torch.Tensor) -> None:
-        self._loss_sum = _added(self._loss_sum, loss)
+        value = loss.data if not loss.ndim else loss.data.sum()
+        if self._ring is None or self._ring.device != value.device:
+            self._allocate(value.device)
+        i = self._watched % self.ring_size
+        slot = self._slots[i]
+        torch.add(self._sum, value, out=slot)
+        self._sum = slot
+        self._steps[i] = self._updates + 1
+        self._watched += 1
+
+    def _allocate(self, device: torch.device) -> None:
+        self._ring = torch.zeros(self.ring_size, dtype=torch.float32, device=device)
+        self._slots = self._ring.unbind(0)
+        self._zero = torch.zeros((), dtype=torch.float32, device=device)
+        self._sum, self._watched = self._zero, 0
 
     def end_window(self) -> None:
-        if self._loss_sum is not None:
-            if self._good_updates is None:
-                self._good_updates = torch.zeros((), dtype=torch.int64, device=self._loss_sum.device)
-            self._good_updates.add_(self._loss_sum.isfinite())
+        self._updates += 1
 
     def start_counting_at(self, num_updates: int) -> None:
         """The engine's update count now (set at build and after a checkpoint is loaded): steps are named from it."""
-        self._first_update = num_updates
-        self._loss_sum = self._good_updates = None
+        self._updates = num_updates
+        self._sum, self._watched = self._zero, 0
+
+    def _first_bad_step(self):
+        """``(step, exact)`` of this rank's first non-finite loss since the last check, or None (reads the ring)."""
+        n = self._watched
+        if not n:
+            return None
+        kept = min(n, self.ring_size)
+        start = (n - kept) % self.ring_size
+        sums = self._ring.tolist()
+        order = [(start + j) % self.ring_size for j in range(kept)]
+        for j, i in enumerate(order):
+            if not math.isfinite(sums[i]):
+                return self._steps[i], not (j == 0 and n > self.ring_size)
+        return None
 
     def check(self) -> None:
         """Raise ``NonFiniteLossError`` if any rank saw a non-finite loss (reads the device; a collective)."""
         world = _world()
-        if self._loss_sum is None and world == 1:
+        if not self._watched and world == 1:
             return
-        if self._loss_sum is None:
-            flags = torch.tensor([1, 2**62], dtype=torch.int64)
-        else:
-            finite = self._loss_sum.isfinite()
-            good = self._good_updates if self._good_updates is not None else torch.zeros_like(finite, dtype=torch.int64)
-            flags = torch.stack([finite.to(torch.int64), torch.where(finite, 2**62, good)])
-        if world > 1:
-            flags = flags.to(_collective_device())
+        found = self._first_bad_step()
+        step, exact = found if found is not None else (_NONE, True)
+        if world > 1:  # the earliest step over the ranks, and whether that rank knew it exactly
+            flags = torch.tensor([step * 2 + (0 if exact else 1)], dtype=torch.int64, device=_collective_device())
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        all_finite, good = flags.tolist()
-        if all_finite:
+            code = int(flags.item())
+            step, exact = code // 2, code % 2 == 0
+        if step == _NONE:
+            self._sum, self._watched = self._zero, 0  # all finite: start the next stretch from a zero sum
             return
-        step = self._first_update + good + 1
+        where = f"optimizer step {step}" if exact else f"optimizer step {step} or earlier"
         raise NonFiniteLossError(
-            f"the training loss was not finite (nan or inf) in optimizer step {step} (the update that made the step "
-            f"count {step}); from that update on the parameters are likely nan. Check the data and the loss for "
+            f"the training loss was not finite (nan or inf) in {where} (the update that made the step count "
+            f"{step}); from that update on the parameters are likely nan. Check the data and the loss for "
             f"nan/inf, lower the learning rate or set clip_grad_norm; or set nonfinite_loss = 'skip' in the config to "
             f"skip such updates (nonfinite_loss = 'ignore' trains on regardless)")
+
+
+_NONE = 2**61  # "no non-finite loss" in the ranks' all-reduced minimum
 
 
 class SkipNonFinite(IgnoreNonFinite):

@@ -115,6 +115,30 @@ def test_ignore_trains_on_as_before(launched):
     assert not all(torch.isfinite(p).all() for p in engine.unwrapped_model.parameters())
 
 
+def test_the_step_is_exact_within_the_ring_and_said_to_be_an_upper_bound_beyond_it():
+    from colossal_lite.engine.loss_guard import RaiseOnNonFinite
+
+    def run(ring_size, losses_per_update, bad):
+        guard = RaiseOnNonFinite(ring_size=ring_size)
+        guard.start_counting_at(10)
+        for update in range(losses_per_update):
+            for micro in range(2):
+                k = update * 2 + micro
+                guard.watch(torch.tensor(float("nan") if k == bad else 1.0))
+            guard.end_window()
+        with pytest.raises(NonFiniteLossError) as err:
+            guard.check()
+        return str(err.value)
+
+    assert "in optimizer step 13 (" in run(ring_size=64, losses_per_update=8, bad=5)  # micro-step 5: update 3
+    # ring of 4 micro-steps, 16 watched: the bad one fell out of the ring; the oldest kept is named as a bound
+    assert "in optimizer step 17 or earlier (" in run(ring_size=4, losses_per_update=8, bad=5)
+    guard = RaiseOnNonFinite(ring_size=4)
+    for _ in range(9):
+        guard.watch(torch.tensor(2.0))
+    guard.check()  # all finite, after the ring wrapped: no error
+
+
 def test_fp16_loss_scaling_skips_such_updates_itself():
     from colossal_lite.amp.precision import NaiveAMPPrecision
     from colossal_lite.engine.loss_guard import IgnoreNonFinite, build_loss_guard
