@@ -177,3 +177,37 @@ def test_a_killed_node_restarts_both_nodes_workers_which_resume_from_the_last_ch
     checkpoint = runs["multi"] / "ck-zero3" / "epoch0-step4"
     assert f"resumed from {checkpoint}: epoch 0, step 4, batch 4 of the epoch" in rank0["log"]
     assert (runs["multi"] / "ck-zero3" / "last").read_text().strip() == "epoch1-step16"
+
+
+def test_each_attempt_gets_its_own_prefix_of_torchruns_store_even_with_a_killed_attempts_keys_left():
+    """The handshake of ``launch`` on a store that still holds a killed attempt's hello and answer (no torchrun)."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from colossal_lite.launch import _attempt_store
+
+    timeout = datetime.timedelta(seconds=20)
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+    server.set("colossal_lite/attempt/hello1", "killed-attempts-hello")  # what the killed rank 1 left
+    server.set("colossal_lite/attempt/welcome1/killed-attempts-hello", "killed-attempts-name")
+    stores, errors = {}, []
+
+    def worker(rank):
+        try:
+            stores[rank] = _attempt_store("127.0.0.1", server.port, rank, 2, timeout)
+        except Exception as e:  # reported below: a thread's exception would otherwise be lost
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(rank,)) for rank in (0, 1)]
+    threads[0].start()  # rank 0 reads the killed attempt's hello first
+    time.sleep(0.3)
+    threads[1].start()
+    for t in threads:
+        t.join(30)
+    assert not errors and sorted(stores) == [0, 1], errors
+    stores[0].set("rank0", "here")
+    assert stores[1].get("rank0") == b"here"  # both ranks are on the same fresh prefix
+    assert not server.check(["colossal_lite/attempt/killed-attempts-name/rank0"])  # not the killed attempt's
