@@ -11,16 +11,22 @@ restart (a membership change). So the restarted workers see TORCHELASTIC_RESTART
 and 0 on the other, and torchrun's store still holds the killed attempt's keys. Rank 0 waits at the kill step
 until its agent stops it, so the job always takes that path.
 """
+import datetime
 import json
 import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_helpers import REPO, _env, free_port, run_torchrun
+
+from colossal_lite.launch import _attempt_store
 
 KILL_AT = 5  # optimizer step after which rank 1 is killed; checkpoints every 2 steps, so it resumes from step 4
 
@@ -181,14 +187,6 @@ def test_a_killed_node_restarts_both_nodes_workers_which_resume_from_the_last_ch
 
 def test_each_attempt_gets_its_own_prefix_of_torchruns_store_even_with_a_killed_attempts_keys_left():
     """The handshake of ``launch`` on a store that still holds a killed attempt's hello and answer (no torchrun)."""
-    import datetime
-    import threading
-    import time
-
-    import torch.distributed as dist
-
-    from colossal_lite.launch import _attempt_store
-
     timeout = datetime.timedelta(seconds=20)
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
     server.set("colossal_lite/attempt/hello1", "killed-attempts-hello")  # what the killed rank 1 left
