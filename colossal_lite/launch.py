@@ -8,6 +8,8 @@ import argparse
 import datetime
 import os
 import signal
+import time
+import uuid
 from pathlib import Path
 from typing import Optional, Union
 
@@ -85,39 +87,7 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
             raise RuntimeError(f"a process group is already running with rank {dist.get_rank()} of {dist.get_world_size()}, "
                                f"but launch was asked for rank {rank} of {world_size}; call gpc.destroy() first")
     else:
-        kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
-        if backend == "nccl":
-            kwargs["device_id"] = device
-        if world_size == 1 and host is None:
-            kwargs["store"] = dist.HashStore()
-        else:
-            if host is None or port is None:
-                raise ValueError("launch needs host and port (the master's address) when world_size > 1")
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-            if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-                # torchrun keeps its store across restarts (--max-restarts): a prefix per attempt keeps a restarted
-                # worker from reading the killed attempt's gloo/nccl addresses
-                agent_store = dist.TCPStore(host, int(port), world_size, is_master=False,
-                                            timeout=datetime.timedelta(seconds=timeout))
-                kwargs["store"] = dist.PrefixStore(f"colossal_lite/attempt{restart}", agent_store)
-            else:
-                kwargs["init_method"] = _init_method(host, port)
-        # torch.distributed.nn.functional takes group.WORLD as a default argument, evaluated when it is first
-        # imported (DDP imports it through torch._dynamo): imported after the group exists, it would hold the
-        # group for good, and destroying the group could never free it and join its threads
-        from torch.distributed.nn import functional  # noqa: F401
-        try:
-            dist.init_process_group(**kwargs)
-        except Exception as e:
-            gpc.destroy()  # no half-launched state: gpc answers as before launch
-            where = kwargs.get("init_method", "an in-process store")
-            raise RuntimeError(
-                f"could not start the process group at {where} as rank {rank} of {world_size} within {timeout:g} s "
-                f"({type(e).__name__}: {e}). Check that all {world_size} processes were started, that "
-                f"MASTER_ADDR/MASTER_PORT (host/port) are the same for all of them and reachable, "
-                f"or raise the limit with launch(..., timeout=SECONDS) or dist_timeout in the config") from e
-        gpc._owns_group = True
-        destroy_group_at_exit()
+        _start_group(backend, rank, world_size, host, port, timeout, device)
     gpc._launched = True
     gpc.set_seed(seed)
     if verbose:
@@ -125,6 +95,86 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
             f"Distributed environment is initialized: world size {world_size}, data parallel size {world_size}, "
             f"backend {backend}, device {device}, seed {seed}", ranks=[0])
     return gpc
+
+
+def _start_group(backend: str, rank: int, world_size: int, host, port, timeout: float, device) -> None:
+    """``init_process_group`` on the store ``host``/``port`` name; any failure leaves ``gpc`` as before launch."""
+    kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    if world_size == 1 and host is None:
+        where = "an in-process store"
+    elif host is None or port is None:
+        raise ValueError("launch needs host and port (the master's address) when world_size > 1")
+    elif _agent_store_serves(host, port):
+        where = f"torchrun's store at {host}:{port}"
+    else:
+        where = kwargs["init_method"] = _init_method(host, port)
+    # torch.distributed.nn.functional takes group.WORLD as a default argument, evaluated when it is first
+    # imported (DDP imports it through torch._dynamo): imported after the group exists, it would hold the
+    # group for good, and destroying the group could never free it and join its threads
+    from torch.distributed.nn import functional  # noqa: F401
+    try:
+        if "init_method" not in kwargs:
+            kwargs["store"] = (dist.HashStore() if host is None
+                               else _attempt_store(host, port, rank, world_size, kwargs["timeout"]))
+        dist.init_process_group(**kwargs)
+    except Exception as e:
+        gpc.destroy()  # no half-launched state: gpc answers as before launch
+        raise RuntimeError(
+            f"could not start the process group at {where} as rank {rank} of {world_size} within {timeout:g} s "
+            f"({type(e).__name__}: {e}). Check that all {world_size} processes were started, that "
+            f"MASTER_ADDR/MASTER_PORT (host/port) are the same for all of them and reachable, "
+            f"or raise the limit with launch(..., timeout=SECONDS) or dist_timeout in the config") from e
+    gpc._owns_group = True
+    destroy_group_at_exit()
+
+
+def _agent_store_serves(host: str, port: int) -> bool:
+    """True when ``host:port`` is the store torchrun's agent keeps for its workers (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_ADDR") == str(host)
+            and os.environ.get("MASTER_PORT") == str(port))
+
+
+# torchrun's agent keeps its store for the whole job, across the restarts of --max-restarts, so a restarted
+# worker could read the gloo/nccl addresses of the killed attempt there. Each attempt therefore starts its
+# group under a prefix of its own. TORCHELASTIC_RESTART_COUNT cannot name it: each agent counts only the
+# restarts its own workers' failure caused, and an agent whose workers were stopped because another node's
+# failed (a membership change) does not count that restart, so nodes disagree. Rank 0 makes up the name,
+# and every other rank learns it by a hello carrying a fresh random word that only this attempt's rank 0
+# can answer (the workers of earlier attempts were all stopped before this one started).
+_ATTEMPT_KEYS = "colossal_lite/attempt"
+
+
+def _attempt_store(host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """This attempt's own part of torchrun's store, the same on every rank of every node."""
+    store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+    if rank == 0:
+        name = uuid.uuid4().hex
+        _welcome_every_rank(store, name, world_size, time.monotonic() + timeout.total_seconds())
+    else:
+        hello = uuid.uuid4().hex
+        store.set(f"{_ATTEMPT_KEYS}/hello{rank}", hello)
+        name = store.get(f"{_ATTEMPT_KEYS}/welcome{rank}/{hello}").decode()  # waits up to the timeout
+        store.set(f"{_ATTEMPT_KEYS}/{name}/joined{rank}", b"")
+    return dist.PrefixStore(f"{_ATTEMPT_KEYS}/{name}", store)
+
+
+def _welcome_every_rank(store: dist.Store, name: str, world_size: int, deadline: float) -> None:
+    """Answer each rank's latest hello with ``name`` until every rank has joined under it.
+
+    A hello read here may be a killed attempt's, left in the store: its answer is never read, and the
+    rank's fresh hello, once written, is answered on a later pass.
+    """
+    pending = list(range(1, world_size))
+    while pending:
+        for r in pending:
+            hello = store.get(f"{_ATTEMPT_KEYS}/hello{r}").decode()  # waits until rank r has said hello once
+            store.set(f"{_ATTEMPT_KEYS}/welcome{r}/{hello}", name)
+        time.sleep(0.01)
+        pending = [r for r in pending if not store.check([f"{_ATTEMPT_KEYS}/{name}/joined{r}"])]
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"ranks {pending} did not join this attempt's process group")
 
 
 def launch_from_torch(config, backend: Optional[str] = None, seed: int = 1024, verbose: bool = True,
