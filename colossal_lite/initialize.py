@@ -148,6 +148,20 @@ def _build_strategy(config, world_size: int, precision):
     return DDPStrategy(**dict(config.get("torch_ddp") or {}))
 
 
+def _compose(config, model: nn.Module, optimizer, world_size: int):
+    """The precision and data-parallel parts the config asks for, applied to model and optimizer (then
+    ``torch.compile`` when asked) -> ``(model, optimizer, precision, strategy)``."""
+    precision = build_precision(config.get("fp16"))
+    strategy = _build_strategy(config, world_size, precision)
+    precision.sharded_gradients = getattr(strategy, "shards_gradients", False)
+    model, optimizer = precision.setup(model, optimizer)
+    model, optimizer = strategy.setup(model, optimizer)
+    compile_cfg = config.get("compile")
+    if compile_cfg:
+        model = torch.compile(model, **({} if compile_cfg is True else dict(compile_cfg)))
+    return model, optimizer, precision, strategy
+
+
 def _log_summary(logger, config, device, world_size: int, strategy):
     summary = "\n".join(f"  - {line}" for line in describe_features(config, world_size))
     logger.info(f"colossal_lite engine ready on {device}, world size {world_size}:\n{summary}", ranks=[0])
@@ -187,15 +201,8 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     optimizer = _build_optimizer(optimizer, model)
     broadcast_module(model)  # every rank starts from rank 0's parameters
 
-    precision = build_precision(config.get("fp16"))
-    strategy = _build_strategy(config, world_size, precision)
-    precision.sharded_gradients = getattr(strategy, "shards_gradients", False)
-    model, optimizer = precision.setup(model, optimizer)
-    model, optimizer = strategy.setup(model, optimizer)
+    model, optimizer, precision, strategy = _compose(config, model, optimizer, world_size)
     compile_cfg = config.get("compile")
-    if compile_cfg:
-        model = torch.compile(model, **({} if compile_cfg is True else dict(compile_cfg)))
-
     accumulation = config.get("gradient_accumulation", 1) or 1
     auto = accumulation == "auto"
     window = AccumulationWindow(1 if auto else accumulation)

@@ -16,21 +16,7 @@ def _fmt(options: dict) -> str:
 
 def describe_features(config: dict, world_size: Optional[int] = None) -> List[str]:
     """One line per feature: precision, accumulation, clipping, data parallel, ZeRO, non-finite loss, cuDNN."""
-    lines = []
-    fp16 = config.get("fp16") or {}
-    mode = normalize_amp_mode(fp16.get("mode")) if fp16 else None
-    if mode is AMP_TYPE.TORCH:
-        opts = {**TORCH_AMP_OPTIONS, **{k: v for k, v in fp16.items() if k != "mode"}}
-        lines.append(f"precision: fp16 autocast with torch.amp.GradScaler ({_fmt(opts)})")
-    elif mode is AMP_TYPE.BF16:
-        lines.append("precision: bf16 autocast, fp32 weights, no loss scaling")
-    elif mode is AMP_TYPE.NAIVE:
-        opts = {**NAIVE_AMP_OPTIONS, **{k: v for k, v in fp16.items() if k != "mode"}}
-        scale = "dynamic loss scale" if opts["dynamic_grad_scale"] else "constant loss scale"
-        shown = {k: opts[k] for k in ("initial_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis")}
-        lines.append(f"precision: naive fp16 (fp16 weights, fp32 master weights in the optimizer, {scale}: {_fmt(shown)})")
-    else:
-        lines.append("precision: fp32")
+    lines = [_precision_line(config)]
     accum = config.get("gradient_accumulation", 1)
     if accum == "auto":
         lines.append("gradient accumulation: automatic (split a batch into more micro-batches when it runs out of memory)")
@@ -45,21 +31,7 @@ def describe_features(config: dict, world_size: Optional[int] = None) -> List[st
             lines.append(f"{key.replace('_', ' ')}: {config[key]}")
     clip = config.get("clip_grad_norm", 0.0)
     lines.append(f"gradient clipping: global L2 norm clipped to {clip:g}" if clip else "gradient clipping: off")
-    where = "" if world_size is None else f" (world size {world_size})"
-    zero = config.get("zero")
-    if zero:
-        stage = zero["stage"]
-        what = {1: "optimizer state sharded (torch ZeroRedundancyOptimizer over DDP)",
-                2: "gradients and optimizer state sharded (FSDP2, full parameters kept between forward and backward)",
-                3: "parameters, gradients and optimizer state sharded (FSDP2)"}[stage]
-        extra = ", optimizer offloaded to CPU" if zero.get("offload_optimizer") else ""
-        lines.append(f"data parallel: ZeRO stage {stage}: {what}{extra}{where}")
-    elif config.get("gradient_handler") is not None:
-        lines.append(f"data parallel: bucketed gradient all-reduce in engine.step() (DataParallelGradientHandler){where}")
-    else:
-        ddp = config.get("torch_ddp") or {}
-        kw = f" with {_fmt(ddp)}" if ddp else ""
-        lines.append(f"data parallel: torch DistributedDataParallel{kw} when the world size is > 1{where}")
+    lines.append(_data_parallel_line(config, world_size))
     red = config.get("grad_reduction")
     if red:
         what = {"mean": "mean over micro-batches and ranks",
@@ -77,3 +49,36 @@ def describe_features(config: dict, world_size: Optional[int] = None) -> List[st
     lines.append(f"cuDNN: benchmark={bool(config.get('cudnn_benchmark', False))}, "
                  f"deterministic={bool(config.get('cudnn_deterministic', False))}")
     return lines
+
+
+def _precision_line(config: dict) -> str:
+    fp16 = config.get("fp16") or {}
+    mode = normalize_amp_mode(fp16.get("mode")) if fp16 else None
+    if mode is AMP_TYPE.TORCH:
+        opts = {**TORCH_AMP_OPTIONS, **{k: v for k, v in fp16.items() if k != "mode"}}
+        return f"precision: fp16 autocast with torch.amp.GradScaler ({_fmt(opts)})"
+    if mode is AMP_TYPE.BF16:
+        return "precision: bf16 autocast, fp32 weights, no loss scaling"
+    if mode is AMP_TYPE.NAIVE:
+        opts = {**NAIVE_AMP_OPTIONS, **{k: v for k, v in fp16.items() if k != "mode"}}
+        scale = "dynamic loss scale" if opts["dynamic_grad_scale"] else "constant loss scale"
+        shown = {k: opts[k] for k in ("initial_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis")}
+        return f"precision: naive fp16 (fp16 weights, fp32 master weights in the optimizer, {scale}: {_fmt(shown)})"
+    return "precision: fp32"
+
+
+def _data_parallel_line(config: dict, world_size: Optional[int]) -> str:
+    where = "" if world_size is None else f" (world size {world_size})"
+    zero = config.get("zero")
+    if zero:
+        stage = zero["stage"]
+        what = {1: "optimizer state sharded (torch ZeroRedundancyOptimizer over DDP)",
+                2: "gradients and optimizer state sharded (FSDP2, full parameters kept between forward and backward)",
+                3: "parameters, gradients and optimizer state sharded (FSDP2)"}[stage]
+        extra = ", optimizer offloaded to CPU" if zero.get("offload_optimizer") else ""
+        return f"data parallel: ZeRO stage {stage}: {what}{extra}{where}"
+    if config.get("gradient_handler") is not None:
+        return f"data parallel: bucketed gradient all-reduce in engine.step() (DataParallelGradientHandler){where}"
+    ddp = config.get("torch_ddp") or {}
+    kw = f" with {_fmt(ddp)}" if ddp else ""
+    return f"data parallel: torch DistributedDataParallel{kw} when the world size is > 1{where}"
