@@ -573,8 +573,8 @@ class Trainer:
             if stepped and until_step:
                 break  # (test mode reads this step's loss)
             # The iteration is over: its outputs and loss (and through them its autograd graph) are let go now,
-            # not when the next iteration overwrites them after its forward. Holding them across the next step
-            # costs about 5 us per micro-step on bench_engine (docs/trainer.md, "What a step costs").
+            # not when the next iteration overwrites them after its forward: held across the next step, the old
+            # graph is freed in the middle of it, among that step's allocations (docs/trainer.md, "What a step costs").
             output = loss = st.output = st.loss = None
             if stepped:
                 if step_eval and run.interval.is_step_boundary(st.step):

@@ -55,8 +55,8 @@ class _RunningSum:
     batch) and when the sum is read, so a long epoch keeps its precision and an update is a plain ``add_``
     (an ``alpha`` or a float32 value added straight into float64 would cost more each step).
     Keeping each step's value to sum them later costs no kernel, but on the CPU those small live tensors,
-    placed between the step's large buffers, made glibc trim and regrow the heap again and again: 15-20
-    page faults per step on bench_engine, several times the add's cost.
+    placed between the step's large buffers, made glibc trim and regrow the heap again and again, and the page
+    faults cost more than the add (figures: docs/trainer.md, "What a step costs").
 
     Values must not require grad: the metrics detach a training loss first.
     """
