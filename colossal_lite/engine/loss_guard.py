@@ -10,8 +10,7 @@ One class per choice, always called by the Engine (``watch`` in ``backward``, ``
   skipped, as torch's GradScaler does for fp16; it reads one flag per update (and all-reduces it).
 - ``IgnoreNonFinite`` ('ignore', and the fp16 modes, whose loss scaler already skips such updates): nothing.
 
-Each keeps its device flags across ranks' steps; every rank must call ``check``/``allows_step`` together
-(they all-reduce when the world has more than one rank).
+Every rank must call ``check``/``allows_step`` together: they all-reduce when the world has more than one rank.
 """
 from __future__ import annotations
 
@@ -54,15 +53,9 @@ class IgnoreNonFinite:
         pass
 
 
-def _added(total: Optional[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
-    """``total + loss`` (a running float32 sum on the loss's device), in place after the first call.
-
-    A sum is non-finite once any of its terms is (inf + x = inf, inf - inf = nan), so one in-place add per
-    micro-step is all the watching costs; ``.data`` keeps autograd out of it."""
-    value = loss.data if not loss.ndim else loss.data.sum()
-    if total is None:
-        return value.to(torch.float32, copy=True)
-    return total.add_(value)
+def _loss_value(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a 0-dim tensor outside autograd (``.data``: no graph, no dispatched detach)."""
+    return loss.data if not loss.ndim else loss.data.sum()
 
 
 class RaiseOnNonFinite(IgnoreNonFinite):
@@ -86,8 +79,8 @@ class RaiseOnNonFinite(IgnoreNonFinite):
         self._updates = 0  # optimizer steps so far (the engine's count: set by start_counting_at)
 
     def watch(self, loss: torch.Tensor) -> None:
-        value = loss.data if not loss.ndim else loss.data.sum()
-        if self._ring is None or self._ring.device != value.device:
+        value = _loss_value(loss)
+        if self._ring is None:  # on the loss's device, at the first micro-step
             self._allocate(value.device)
         i = self._watched % self.ring_size
         slot = self._slots[i]
@@ -158,7 +151,12 @@ class SkipNonFinite(IgnoreNonFinite):
         self.skipped = 0  # updates skipped so far
 
     def watch(self, loss: torch.Tensor) -> None:
-        self._window_sum = _added(self._window_sum, loss)
+        # a sum is non-finite once any of its terms is (inf + x = inf, inf - inf = nan)
+        value = _loss_value(loss)
+        if self._window_sum is None:
+            self._window_sum = value.to(torch.float32, copy=True)
+        else:
+            self._window_sum.add_(value)
 
     def end_window(self) -> None:
         self._window_sum = None
