@@ -46,9 +46,19 @@ def _complexity(node: ast.AST) -> int:
             count += 1 + len(child.ifs)
         elif isinstance(child, ast.BoolOp):
             count += len(child.values) - 1
-        elif isinstance(child, ast.match_case) if hasattr(ast, "match_case") else False:
+        elif isinstance(child, getattr(ast, "match_case", ())):
             count += 1
     return count
+
+
+def _visit(node: ast.AST, prefix: str, found: list) -> None:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([child.lineno] + [d.lineno for d in child.decorator_list])
+            found.append((f"{prefix}{child.name}", child.end_lineno - first + 1, _complexity(child)))
+            _visit(child, f"{prefix}{child.name}.", found)
+        elif isinstance(child, ast.ClassDef):
+            _visit(child, f"{prefix}{child.name}.", found)
 
 
 def functions() -> List[Tuple[str, int, int]]:
@@ -58,15 +68,7 @@ def functions() -> List[Tuple[str, int, int]]:
         tree = ast.parse(path.read_text(), filename=str(path))
         mod = module_name(path)
 
-        def visit(node, prefix):
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    first = min([child.lineno] + [d.lineno for d in child.decorator_list])
-                    found.append((f"{mod}:{prefix}{child.name}", child.end_lineno - first + 1, _complexity(child)))
-                    visit(child, f"{prefix}{child.name}.")
-                elif isinstance(child, ast.ClassDef):
-                    visit(child, f"{prefix}{child.name}.")
-        visit(tree, "")
+        _visit(tree, f"{mod}:", found)
     return found
 
 

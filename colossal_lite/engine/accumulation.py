@@ -1,74 +1,117 @@
-"""Gradient accumulation: which micro-step this is, how large the current window really is.
+"""Gradient accumulation: where each micro-batch stands in its window, and the one counter the engine keeps.
 
-The training loader returned by ``initialize`` tells the window how many micro-batches
-remain in the epoch, so a last partial window of r < N micro-batches is divided by r and
-applied at the end of the epoch. A loader without ``len`` is read one batch ahead; if its
-epoch ends inside a window, the gradients are rescaled by N / r before the update.
+A window is ``size`` micro-batches whose gradients add up before one optimizer step. Windows start at
+the start of each epoch; the last window of an epoch may be shorter (r < size micro-batches) and is
+still exact: its losses are divided by r. The loop that iterates the data knows where the epoch ends,
+so it works out each micro-batch's place (``MicroBatch``) and hands it to ``Engine.backward``:
+
+- a loader with ``len``: arithmetic on the index and the length (``AccumulationWindow.plan``);
+- a loader without one: a one-batch look-ahead tells which batch is the epoch's last; a window it cuts
+  short had its first losses divided by ``size``, so its gradients are rescaled by size / r at the step;
+- a user's own loop over a loader ``initialize`` did not wrap: the engine counts micro-steps, every
+  window has ``size`` micro-batches.
+
+The only state is ``micro_step``, the backward passes done in the open window; it goes into checkpoints.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, NamedTuple, Optional
 
 import torch
 
+from ..utils.data import batches_per_epoch
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch's place in its accumulation window."""
+
+    divisor: int  # micro-batches in its window: a mean loss is divided by this
+    first: bool  # it opens the window (gradients are cleared before it)
+    last: bool  # it closes the window (the optimizer steps after it)
+    correction: float = 1.0  # gradient factor at the step, for a window an unsized loader's epoch cut short
+
+
+WHOLE_BATCH = MicroBatch(1, True, True)  # no accumulation
+
 
 class AccumulationWindow:
-    """Counts micro-steps of a window of ``size`` micro-batches (size 1 = no accumulation)."""
+    """Windows of ``size`` micro-batches (size 1 = no accumulation) and the open window's progress."""
 
     def __init__(self, size: int = 1):
-        if not isinstance(size, int) or size < 1:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"gradient_accumulation must be a positive int, got {size!r}")
         self.size = size
-        self.micro_step = 0  # backward passes done in the current window
-        self.current_size = size  # micro-batches in the current window
-        self.correction = 1.0  # gradient rescale for a window cut short by an unsized loader
-        self.remaining: Optional[int] = None  # micro-batches left in the epoch, counting the current one
-        self.tokens: Optional[torch.Tensor] = None  # real tokens seen in this window (grad_reduction='per-token-mean')
-        self.restored = False  # loaded mid-window from a checkpoint: the next epoch iteration continues it
+        self.micro_step = 0  # backward passes done in the open window
+        self.closing: Optional[MicroBatch] = None  # the micro-batch that closed the window, until the step
+        self._next: Optional[MicroBatch] = None  # the next micro-batch's place, as the iterating loader found it
 
-    def begin_backward(self):
-        """-> (loss divisor, whether this micro-step ends the window)."""
-        if self.micro_step == 0:
-            self.current_size = self.size if self.remaining is None else max(1, min(self.size, self.remaining))
-            self.correction = 1.0
-        elif self.remaining == 1 and self.micro_step + 1 < self.current_size:
-            # the epoch ends before the window fills (only possible with a loader without len)
-            self.correction = self.current_size / (self.micro_step + 1)
-            self.current_size = self.micro_step + 1
-        self.remaining = None
-        return self.current_size, self.micro_step + 1 == self.current_size
+    # -- where a micro-batch stands --------------------------------------------------------------
+    def plan(self, index: int, length: int) -> MicroBatch:
+        """Place of micro-batch ``index`` (0-based) of an epoch of ``length`` micro-batches."""
+        start = index - index % self.size
+        divisor = min(self.size, length - start)
+        return MicroBatch(divisor, index == start, index == start + divisor - 1)
 
-    def end_backward(self):
-        self.micro_step += 1
+    def plan_unsized(self, index: int, is_epoch_end: bool) -> MicroBatch:
+        """Place of micro-batch ``index`` when only a look-ahead says whether it ends the epoch."""
+        position = index % self.size
+        last = is_epoch_end or position == self.size - 1
+        correction = self.size / (position + 1) if last else 1.0
+        return MicroBatch(self.size, position == 0, last, correction)
+
+    def counted(self) -> MicroBatch:
+        """Place of the next micro-batch when nobody said where the epoch ends: every window is full."""
+        return MicroBatch(self.size, self.micro_step == 0, self.micro_step + 1 == self.size)
+
+    def expect(self, where: MicroBatch) -> None:
+        """The loader about to hand out a batch says where it stands (``AccumulationDataLoader``)."""
+        self._next = where
+
+    # -- the open window -------------------------------------------------------------------------
+    def begin(self, where: Optional[MicroBatch] = None) -> MicroBatch:
+        """A backward pass starts: its place (given, announced by the loader, or counted) is recorded."""
+        if where is None:
+            where = self._next if self._next is not None else self.counted()
+        self._next = None
+        self.micro_step = 1 if where.first else self.micro_step + 1
+        self.closing = where if where.last else None
+        return where
+
+    def continue_at(self, index: int) -> None:
+        """The epoch's next micro-batch is ``index``: a window left open by a loop that stopped elsewhere is
+        dropped (its gradients are cleared by the next window's ``zero_grad``), a restored one continues."""
+        if self.micro_step != index % self.size:
+            self.close()
 
     @property
     def at_start(self) -> bool:
+        """No micro-batch of the open window went backward yet."""
         return self.micro_step == 0
 
     @property
-    def ready(self) -> bool:
-        """The window is complete: the optimizer may step."""
-        return self.micro_step >= self.current_size
+    def opens_next(self) -> bool:
+        """The next micro-batch opens a window, so ``zero_grad`` clears gradients: as the loader said, or counted."""
+        return self._next.first if self._next is not None else self.micro_step == 0
 
-    def reset(self):
+    @property
+    def complete(self) -> bool:
+        """The window's last micro-batch went backward: the optimizer may step."""
+        return self.closing is not None
+
+    def close(self) -> None:
         self.micro_step = 0
-        self.correction = 1.0
-        self.tokens = None
+        self.closing = None
 
     def state_dict(self):
-        return {"size": self.size, "micro_step": self.micro_step, "current_size": self.current_size,
-                "correction": self.correction, "tokens": None if self.tokens is None else self.tokens.detach().clone()}
+        return {"size": self.size, "micro_step": self.micro_step}
 
     def load_state_dict(self, state):
         self.micro_step = int(state["micro_step"])
-        self.current_size = int(state["current_size"])
-        self.correction = float(state["correction"])
-        self.tokens = state.get("tokens")
-        self.restored = self.micro_step > 0
+        self.closing = None
 
 
 class AccumulationDataLoader:
-    """Wraps the training loader so the window knows where the epoch ends.
+    """The training loader ``initialize`` returns: it tells the engine where each batch stands in its window.
 
     Attributes of the wrapped loader (``sampler``, ``dataset``, ``batch_size``...) are forwarded.
     """
@@ -85,36 +128,29 @@ class AccumulationDataLoader:
             raise AttributeError(name)
         return getattr(self.loader, name)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator:
         window = self.window
-        if not window.at_start and not window.restored:  # an epoch left a window open (the loop broke early): drop it
-            window.reset()
-        window.restored = False
         try:
             n = len(self.loader)
         except TypeError:
             n = None
-        if n is not None:
-            for i, batch in enumerate(self.loader):
-                window.remaining = n - i
+        if n is not None:  # a loader resumed inside its epoch yields only the rest: count from where it starts
+            length = batches_per_epoch(self.loader)
+            for i, batch in enumerate(self.loader, start=length - n):
+                window.expect(window.plan(i, length))
                 yield batch
             return
         it = iter(self.loader)
-        try:
-            nxt = next(it)
-        except StopIteration:
-            return
-        while True:
-            cur = nxt
-            try:
-                nxt = next(it)
-                last = False
-            except StopIteration:
-                last = True
-            window.remaining = 1 if last else None
-            yield cur
-            if last:
-                return
+        nxt = next(it, _END)
+        i = 0
+        while nxt is not _END:
+            batch, nxt = nxt, next(it, _END)
+            window.expect(window.plan_unsized(i, nxt is _END))
+            yield batch
+            i += 1
+
+
+_END = object()
 
 
 def rescale_grads_(params, factor):

@@ -7,36 +7,11 @@ never leaves another waiting inside a collective.
 """
 from __future__ import annotations
 
-from typing import Any, List
-
 import torch
-import torch.distributed as dist
 
-from .schedule import call_criterion, call_with
+from ..core.dist import all_agree, world_size
+from .batch import batch_len, call_criterion, call_with, split_samples
 from .strategy import AllReduceStrategy
-
-
-def _split(obj: Any, parts: int, n: int) -> List[Any]:
-    """``obj`` cut along dim 0 into ``parts`` pieces (tensors inside lists/tuples/dicts too)."""
-    if isinstance(obj, torch.Tensor) and obj.dim() > 0 and obj.shape[0] == n:
-        return list(torch.tensor_split(obj, parts))
-    if isinstance(obj, (list, tuple)):
-        cols = [_split(o, parts, n) for o in obj]
-        return [type(obj)(c[i] for c in cols) for i in range(parts)]
-    if isinstance(obj, dict):
-        cols = {k: _split(v, parts, n) for k, v in obj.items()}
-        return [type(obj)((k, cols[k][i]) for k in obj) for i in range(parts)]
-    return [obj] * parts
-
-
-def _batch_len(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.shape[0]
-    if isinstance(obj, (list, tuple)):
-        return _batch_len(obj[0])
-    if isinstance(obj, dict):
-        return _batch_len(next(iter(obj.values())))
-    raise TypeError(f"cannot split a batch of type {type(obj).__name__} into micro-batches")
 
 
 class AutoMicroBatcher:
@@ -45,47 +20,49 @@ class AutoMicroBatcher:
         self.logger = logger
         self._reducer = AllReduceStrategy()
 
-    def _all_ok(self, ok: bool, device) -> bool:
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return ok
-        flag = torch.tensor([1.0 if ok else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
-    def run(self, engine, data, label, return_loss: bool = True):
+    def run(self, engine, data, label, where=None):
         """Forward and backward of one batch, split as often as needed; returns (output, loss)."""
-        n = _batch_len(data)
+        engine.window.begin(where)
+        n = batch_len(data)
         while True:
             parts = min(self.parts, n)
-            outputs, loss_total, ok = [], None, True
             try:
-                for d, lab in zip(_split(data, parts, n), _split(label, parts, n)):
-                    with engine.strategy.no_sync(engine.model):
-                        out = call_with(engine, d)
-                        loss = call_criterion(engine.criterion, out, lab)
-                        engine.loss_guard.watch(loss)
-                        weight = _batch_len(d) / n
-                        engine.precision.backward(loss * weight)
-                    outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
-                    part = loss.detach() * weight
-                    loss_total = part if loss_total is None else loss_total + part
+                outputs, loss = self._forward_backward(engine, data, label, parts, n)
+                ok = True
             except torch.OutOfMemoryError:
-                ok = False
-                outputs, loss_total, out, loss = [], None, None, None
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-            if self._all_ok(ok, engine.device):
+                ok, outputs, loss = False, [], None
+            if not ok and torch.cuda.is_available():
+                torch.cuda.empty_cache()  # out of the except block: the failed try's tensors (its traceback) are gone
+            if all_agree(ok, engine.device):
                 break
-            engine.precision.zero_grad(engine.model, engine.optimizer)
-            if parts >= n:
-                raise torch.OutOfMemoryError(f"gradient_accumulation='auto': even micro-batches of 1 sample run out of "
-                                             f"memory on some rank (batch of {n}); reduce the model or the sequence size")
-            self.parts = parts * 2
-            if self.logger is not None:
-                self.logger.info(f"out of memory with the batch of {n} in {parts} micro-batch(es) on some rank; "
-                                 f"retrying the same batch in {min(self.parts, n)}", ranks=[0])
-        if dist.is_initialized() and dist.get_world_size() > 1:
+            self._retry_in_more_parts(engine, parts, n)
+        if world_size() > 1:
             self._reducer.reduce_gradients(engine.model)
-        engine.window.end_backward()
         output = torch.cat(outputs) if outputs and all(isinstance(o, torch.Tensor) for o in outputs) else outputs
-        return output, loss_total
+        return output, loss
+
+    @staticmethod
+    def _forward_backward(engine, data, label, parts: int, n: int):
+        """The batch in ``parts`` micro-batches, each weighed by its share of the samples; -> (outputs, loss)."""
+        outputs, total = [], None
+        for d, lab in zip(split_samples(data, parts, n), split_samples(label, parts, n)):
+            with engine.strategy.no_sync(engine.model):
+                out = call_with(engine, d)
+                loss = call_criterion(engine.criterion, out, lab)
+                engine.loss_guard.watch(loss)
+                weight = batch_len(d) / n
+                engine.precision.backward(loss * weight)
+            outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
+            part = loss.detach() * weight
+            total = part if total is None else total + part
+        return outputs, total
+
+    def _retry_in_more_parts(self, engine, parts: int, n: int) -> None:
+        engine.precision.zero_grad(engine.model, engine.optimizer)
+        if parts >= n:
+            raise torch.OutOfMemoryError(f"gradient_accumulation='auto': even micro-batches of 1 sample run out of "
+                                         f"memory on some rank (batch of {n}); reduce the model or the sequence size")
+        self.parts = parts * 2
+        if self.logger is not None:
+            self.logger.info(f"out of memory with the batch of {n} in {parts} micro-batch(es) on some rank; "
+                             f"retrying the same batch in {min(self.parts, n)}", ranks=[0])

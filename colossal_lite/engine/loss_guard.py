@@ -43,6 +43,9 @@ class IgnoreNonFinite:
     def end_window(self) -> None:
         pass
 
+    def open_window(self) -> None:
+        """A window's first micro-batch: what an abandoned window saw is forgotten."""
+
     def allows_step(self) -> bool:
         return True
 
@@ -159,6 +162,9 @@ class SkipNonFinite(IgnoreNonFinite):
             self._window_sum.add_(value)
 
     def end_window(self) -> None:
+        self._window_sum = None
+
+    def open_window(self) -> None:
         self._window_sum = None
 
     def allows_step(self) -> bool:

@@ -1,71 +1,16 @@
-"""``NonPipelineSchedule``: load a batch, move it to the device, forward, loss, backward."""
+"""``NonPipelineSchedule``: the legacy schedule object. It loads a batch, moves it to the device and splits it
+into ``(data, label)``; ``forward_backward_step`` runs the engine's one training step on it."""
 from __future__ import annotations
 
-import contextlib
 import inspect
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from .batch import call_criterion, call_with, first_tensor, move_to_device
+from .step import make_train_step
 
-def move_to_device(obj: Any, device: torch.device) -> Any:
-    """Tensors, and tensors inside lists, tuples and dicts, moved to ``device``.
-
-    Transfers from pinned memory to CUDA are non-blocking. A ``(data, label)`` pair of tensors already
-    on ``device`` is returned as it is (the common case, checked first).
-    """
-    if type(obj) is tuple and len(obj) == 2:
-        a, b = obj
-        if type(a) is torch.Tensor and type(b) is torch.Tensor and a.device == device and b.device == device:
-            return obj  # (device.type would cost more than both comparisons: it builds a string)
-    if isinstance(obj, torch.Tensor):
-        if obj.device == device:
-            return obj
-        return obj.to(device, non_blocking=obj.is_pinned() if device.type == "cuda" else False)
-    if isinstance(obj, (list, tuple)):
-        moved = [move_to_device(o, device) for o in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
-    if isinstance(obj, dict):
-        return type(obj)((k, move_to_device(v, device)) for k, v in obj.items())
-    return obj
-
-
-def _first_tensor(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, (list, tuple)):
-        for o in obj:
-            t = _first_tensor(o)
-            if t is not None:
-                return t
-    if isinstance(obj, dict):
-        for o in obj.values():
-            t = _first_tensor(o)
-            if t is not None:
-                return t
-    return None
-
-
-def call_with(fn: Callable, args: Any, *extra):
-    """Tensor -> fn(t), list/tuple -> fn(*x), dict -> fn(**x)."""
-    if isinstance(args, dict):
-        return fn(*extra, **args)
-    if isinstance(args, (list, tuple)):
-        return fn(*extra, *args)
-    return fn(*extra, args)
-
-
-def call_criterion(criterion: Callable, outputs: Any, labels: Any):
-    """Legacy argument spreading: outputs and labels as tensors, sequences or dicts."""
-    outs = (outputs,) if not isinstance(outputs, (list, tuple, dict)) else outputs
-    labs = (labels,) if not isinstance(labels, (list, tuple, dict)) else labels
-    if isinstance(outs, dict):
-        if not isinstance(labs, dict):
-            raise ValueError("the model returned a dict, so the labels must be a dict too (criterion(**outputs, **labels))")
-        return criterion(**outs, **labs)
-    if isinstance(labs, dict):
-        return criterion(*outs, **labs)
-    return criterion(*outs, *labs)
+__all__ = ["NonPipelineSchedule", "call_criterion", "call_with", "move_to_device"]
 
 
 class NonPipelineSchedule:
@@ -77,7 +22,7 @@ class NonPipelineSchedule:
             if n != 1:
                 raise TypeError(f"data_process_func must take exactly one argument (the batch), it takes {n}")
         self.data_process_func = data_process_func
-        self.current_batch: Any = None  # the last batch loaded (the Trainer sets it for the batches it loads)
+        self.current_batch: Any = None  # the last batch loaded (the Trainer's and execute_schedule's too)
         self._size: Optional[int] = None
         self._size_of: Any = None  # the batch ``_size`` belongs to
 
@@ -86,7 +31,7 @@ class NonPipelineSchedule:
         """Samples in the last batch loaded (first dimension of its first tensor); None when it has none."""
         batch = self.current_batch
         if self._size_of is not batch:  # worked out when first asked, once per batch
-            t = _first_tensor(batch)
+            t = first_tensor(batch)
             self._size = t.shape[0] if t is not None and t.dim() > 0 else None
             self._size_of = batch
         return self._size
@@ -96,26 +41,17 @@ class NonPipelineSchedule:
         self._size, self._size_of = value, self.current_batch
 
     def load_batch(self, data_iter: Iterable, device: torch.device):
-        if data_iter is None:
-            raise RuntimeError("execute_schedule needs an iterator over batches, got None (pass iter(train_dataloader))")
+        _check_iterator(data_iter)
         batch = self.current_batch = move_to_device(next(data_iter), device)
         return batch
 
     def load_split(self, data_iter: Iterable, device: torch.device):
         """``load_batch`` then ``split``: -> (batch, data, label)."""
+        _check_iterator(data_iter)
         return self.place(next(data_iter), device)
 
     def place(self, batch, device: torch.device):
-        """A loaded batch on ``device``, split: -> (batch, data, label); it becomes ``current_batch``.
-
-        The common batch, a ``(data, label)`` tuple or list of two tensors already on ``device``, is
-        recognised in one step and passed through as it is (this runs once per micro-batch).
-        """
-        if (type(batch) is tuple or type(batch) is list) and len(batch) == 2 and self.data_process_func is None:
-            a, b = batch
-            if type(a) is torch.Tensor and type(b) is torch.Tensor and a.device == device and b.device == device:
-                self.current_batch = batch
-                return batch, a, b
+        """A loaded batch on ``device``, split: -> (batch, data, label); it becomes ``current_batch``."""
         batch = self.current_batch = move_to_device(batch, device)
         data, label = self.split(batch)
         return batch, data, label
@@ -131,14 +67,21 @@ class NonPipelineSchedule:
 
     def forward_backward_step(self, engine, data_iter: Iterable, forward_only: bool = False, return_loss: bool = True,
                               return_output_label: bool = True):
+        """The engine's training step on the next batch, without its optimizer step (or, ``forward_only``,
+        evaluation's step under ``torch.no_grad``); -> ``(output, label, loss)``."""
         if not (forward_only or return_loss):
             raise ValueError("a training step needs the loss: use return_loss=True or forward_only=True")
-        data, label = self.split(self.load_batch(data_iter, engine.device))
-        with torch.no_grad() if forward_only else contextlib.nullcontext():
-            output = call_with(engine, data)
-            loss = call_criterion(engine.criterion, output, label) if return_loss else None
-        if not forward_only:
-            engine.backward(loss)
-        if not return_output_label:
-            return None, None, loss
-        return output, label, loss
+        _check_iterator(data_iter)
+        step = make_train_step(engine)
+        if forward_only:
+            with torch.no_grad():
+                step.forward_only(next(data_iter), with_loss=return_loss)
+        else:
+            step.forward_backward(next(data_iter))
+        record = step.record
+        return (record.output, record.label, record.loss) if return_output_label else (None, None, record.loss)
+
+
+def _check_iterator(data_iter) -> None:
+    if data_iter is None:
+        raise RuntimeError("execute_schedule needs an iterator over batches, got None (pass iter(train_dataloader))")

@@ -1,29 +1,28 @@
 """``Trainer``: the legacy fit / evaluate / predict loop as an event loop over one ``State``.
 
-Each training iteration runs the engine's parts itself (load batch, split, forward, criterion,
-backward, step) so hooks can replace the batch, the target or the loss between them; with no
-hook subscribed it computes exactly what ``zero_grad(); execute_schedule(); step()`` computes.
+Each training iteration runs the engine's one training step (``engine.step.TrainStep``: load, forward,
+criterion, backward, and at a window's end clip and optimizer step) with the hooks' handlers, so hooks
+can replace the batch, the target or the loss between its lines; with no hook subscribed it computes
+exactly what ``zero_grad(); execute_schedule(); step()`` computes.
 """
 from __future__ import annotations
 
 import math
 import signal
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
-from ..core.global_context import global_context as gpc
-from ..engine.schedule import call_criterion, call_with, move_to_device
+from ..core.dist import all_reduce_min_, is_rank_0, log_rank_0
+from ..engine.batch import call_with, move_to_device
+from ..engine.step import make_train_step
 from ..logging import DistributedLogger, get_dist_logger
 from ..utils.data import DataParallelSampler, batches_per_epoch, skip_batches
 from ..utils.timer import MultiTimer
 from .checkpointing import CheckpointSession, checkpoint_round_trip
-from .events import ENGINE_EVENTS, Event
+from .events import Event
 from .hooks._base_hook import BaseHook
-from .hooks._log_hook import log_rank_0
 from .hooks._utils import resolve_metric
 from .progress import NO_PROGRESS, make_progress
 from .state import State
@@ -35,7 +34,7 @@ _END = object()
 
 
 class _NullTimer:
-    """Stands in for ``MultiTimer`` when the run has no timer."""
+    """The timer of a run that times nothing."""
 
     def start(self, name):
         pass
@@ -64,44 +63,19 @@ def _class_defines(cls: type, name: str) -> bool:
 
 def _overrides(hook: BaseHook, name: str) -> bool:
     """The hook handles event ``name``: its class (or the instance) defines the method, and it does not list
-    the event in ``skipped_events`` (a hook whose options leave a method idle saves its call per iteration)."""
+    the event in ``skipped_events`` (a hook whose options leave a method idle is not called for it)."""
     if name in hook.skipped_events:
         return False
     return _class_defines(type(hook), name) or name in getattr(hook, "__dict__", {})
 
 
 class _Handlers:
-    """For each event, the tuple of bound hook methods that override it (built once per fit)."""
+    """For each event, the tuple of bound hook methods that handle it (built once per fit): an event nobody
+    handles costs an empty loop."""
 
     def __init__(self, hooks: Sequence[BaseHook] = ()):
         for name in _EVENT_NAMES:
             setattr(self, name, tuple(getattr(hook, name) for hook in hooks if _overrides(hook, name)))
-
-
-class _EngineEvents:
-    """``engine.event_sink`` during a run: forwards Engine.step's events to the hooks."""
-
-    def __init__(self, trainer: "Trainer", handlers: _Handlers):
-        self.trainer = trainer
-        self.grad_norm = handlers.after_grad_norm
-        self.before_step = handlers.before_optimizer_step
-        self.after_step = handlers.after_optimizer_step
-
-    def after_grad_norm(self, norm):
-        trainer = self.trainer
-        trainer.state.grad_norm = norm
-        for fn in self.grad_norm:
-            fn(trainer, norm)
-
-    def before_optimizer_step(self):
-        for fn in self.before_step:
-            fn(self.trainer)
-
-    def after_optimizer_step(self, updated: bool):
-        trainer = self.trainer
-        trainer.state.updated = updated
-        for fn in self.after_step:
-            fn(trainer)
 
 
 @dataclass
@@ -140,19 +114,64 @@ def _epoch_length(loader) -> Optional[int]:
     return batches_per_epoch(loader)
 
 
-def _start_inside_epoch(loader, iters: int, skip: int) -> int:
-    """Make the next iteration of ``loader`` begin ``skip`` batches into its epoch.
+def _iterate_from(loader, iters: int, skip: int) -> Iterator:
+    """An iterator over ``loader`` whose first batch is batch ``skip`` of the epoch (``iters`` batches long).
 
-    A loader restored with ``load_state_dict`` already starts there; a ``get_dataloader`` loader is
-    moved by its sampler (nothing is loaded). Returns how many batches the caller must still read
-    and drop (other loaders).
+    A loader restored with ``load_state_dict`` already starts there; a ``get_dataloader`` loader is moved
+    by its sampler (nothing is loaded); other loaders are read and the first ``skip`` batches dropped.
     """
     if skip == 0 or _loader_len(loader) == iters - skip:
-        return 0
+        return iter(loader)
     if isinstance(getattr(loader, "sampler", None), DataParallelSampler):
         skip_batches(loader, skip)
-        return 0
-    return skip
+        return iter(loader)
+    data_iter = iter(loader)
+    for _ in range(skip):
+        next(data_iter)
+    return data_iter
+
+
+def _call_each(handlers, trainer) -> None:
+    for fn in handlers:
+        fn(trainer)
+
+
+def _checked_hooks(hooks) -> List[BaseHook]:
+    """``hooks`` as a list, each a ``BaseHook`` with a numeric priority (the error names the one that is not)."""
+    if hooks is None:
+        return []
+    if not isinstance(hooks, (list, tuple)):
+        raise TypeError(f"hooks must be a list of hooks, got {type(hooks).__name__}")
+    for i, hook in enumerate(hooks):
+        if not isinstance(hook, BaseHook):
+            raise TypeError(f"hooks[{i}] is a {type(hook).__name__}, not a hook: subclass "
+                            f"colossal_lite.trainer.hooks.BaseHook")
+        priority = getattr(hook, "priority", None)
+        if isinstance(priority, bool) or not isinstance(priority, (int, float)):
+            raise TypeError(f"hooks[{i}] ({type(hook).__name__}) has priority {priority!r}; it must be a number")
+    return list(hooks)
+
+
+def _test_mode_result(finite: bool, checkpoint_note: Optional[str], n_train: int, n_eval: int, has_test: bool,
+                      train_loss: float, eval_loss: Optional[float], updated: bool) -> "TestModeResult":
+    """The verdict of test mode, with its one-line message."""
+    checkpoint_ok = checkpoint_note is None or "FAILED" not in checkpoint_note
+    parts = [f"{n_train} train batch" + ("es" if n_train != 1 else "")]
+    if has_test:
+        parts.append(f"{n_eval} eval batch" + ("es" if n_eval != 1 else ""))
+    ran = " and ".join(parts) + " ran"
+    losses = f"train loss {train_loss:.4g}" + ("" if eval_loss is None else f", eval loss {eval_loss:.4g}")
+    step = "optimizer step applied" if updated else "optimizer step skipped (fp16 overflow)"
+    if not has_test:
+        step += ", no test_dataloader given"
+    if checkpoint_note:
+        step += f", {checkpoint_note}"
+    ok = finite and checkpoint_ok
+    verdict = "OK" if ok else ("FAILED (a loss or a parameter is NaN or inf)" if not finite
+                               else "FAILED (the checkpoint round trip failed)")
+    message = f"test mode: {ran} ({losses}; {step}), loss finite: {verdict}"
+    return TestModeResult(ok=ok, message=message, train_batches=n_train, eval_batches=n_eval, train_loss=train_loss,
+                          eval_loss=eval_loss, optimizer_updated=updated, checkpoint=checkpoint_note)
 
 
 def _set_sampler_epoch(loader, epoch: int) -> None:
@@ -195,7 +214,6 @@ def _resolve_length(epochs, max_steps, max_duration, steps_per_epoch: int):
         return math.ceil(max_steps / steps_per_epoch), max_steps
     return _check_count("epochs", epochs), max_steps
 
-
 class Trainer:
     """Runs ``fit`` / ``evaluate`` / ``predict`` on an ``Engine``, calling hooks at each event.
 
@@ -221,7 +239,7 @@ class Trainer:
         self._step_from_epoch = False
         self._pending_hook_states: Optional[Dict[str, Any]] = None
         self._pending_metric_states: Optional[Dict[str, Any]] = None  # train metrics' sums of a resumed epoch
-        self._saved_engine_events = None
+        self._step = None  # the training step of the running fit or evaluate (built with the hooks' handlers)
         self._checkpoints: Optional[CheckpointSession] = None  # checkpoints of the running fit
 
     # -- legacy properties -----------------------------------------------------------------------
@@ -284,38 +302,15 @@ class Trainer:
         self.fire(func, *(output or ()))
 
     def _attach(self, hooks, purpose: str) -> None:
-        if hooks is None:
-            hooks = []
-        if not isinstance(hooks, (list, tuple)):
-            raise TypeError(f"hooks must be a list of hooks, got {type(hooks).__name__}")
-        for i, hook in enumerate(hooks):
-            if not isinstance(hook, BaseHook):
-                raise TypeError(f"hooks[{i}] is a {type(hook).__name__}, not a hook: subclass "
-                                f"colossal_lite.trainer.hooks.BaseHook")
-            priority = getattr(hook, "priority", None)
-            if isinstance(priority, bool) or not isinstance(priority, (int, float)):
-                raise TypeError(f"hooks[{i}] ({type(hook).__name__}) has priority {priority!r}; it must be a number")
-        self.hooks = sorted(hooks, key=lambda h: h.priority)  # stable: ties keep the list's order
+        """Sort the run's hooks, build the event handlers and the training step that fires them."""
+        self.hooks = sorted(_checked_hooks(hooks), key=lambda h: h.priority)  # stable: ties keep the list's order
         self._h = _Handlers(self.hooks)
-        engine = self._engine
-        if getattr(engine, "auto_batcher", None) is not None:
-            inside = [f"{type(hk).__name__}.{e.value}" for e in (Event.AFTER_FORWARD, Event.AFTER_LOSS,
-                                                                Event.BEFORE_BACKWARD)
-                      for hk in self.hooks if _overrides(hk, e.value)]
-            if inside:
-                raise ValueError(f"gradient_accumulation='auto' runs forward, loss and backward as one unit (a batch "
-                                 f"that runs out of memory is retried in pieces), so no hook can act between them; "
-                                 f"these hooks try to: {', '.join(inside)}. Use a fixed gradient_accumulation with them")
+        self._step = make_train_step(self._engine, self.state, self._h, self)
         if self._verbose:
             for hook in self.hooks:
                 log_rank_0(self._logger, f"Using {type(hook).__name__} for {purpose}, priority = {hook.priority}")
             if self.hooks:
                 log_rank_0(self._logger, "Lower value means higher priority for calling hook function")
-        self._saved_engine_events = (engine.event_sink, engine.measure_grad_norm)
-        if any(getattr(self._h, e.value) for e in ENGINE_EVENTS):
-            engine.event_sink = _EngineEvents(self, self._h)
-        if self._h.after_grad_norm:
-            engine.measure_grad_norm = True
         self.fire(Event.AFTER_HOOK_IS_ATTACHED)
         if self.state.fitting:
             self._check_watched_metrics()
@@ -333,9 +328,7 @@ class Trainer:
                     raise ValueError(f"{type(hook).__name__} watches metric {spec!r}: {err}") from None
 
     def _detach(self) -> None:
-        if self._saved_engine_events is not None:
-            self._engine.event_sink, self._engine.measure_grad_norm = self._saved_engine_events
-            self._saved_engine_events = None
+        self._step = None
         self._run_timer = self._timer if self._timer is not None else _NULL_TIMER
         self._pending_metric_states = None
         st = self.state
@@ -358,10 +351,34 @@ class Trainer:
         With a ``SaveCheckpointHook``, SIGTERM/SIGINT finish the current optimizer step, write a checkpoint
         and raise ``TrainingPreempted`` (a ``SystemExit`` with status 75).
         """
-        iters = _epoch_length(train_dataloader)
+        run = self._begin_fit(train_dataloader, test_dataloader, epochs, max_steps, max_duration, test_interval,
+                              display_progress, return_output_label)
+        checkpoints = None
+        try:
+            self._attach(hooks, "training")
+            checkpoints = self._checkpoints = CheckpointSession(self, train_dataloader, saving=not test_mode)
+            checkpoints.resume(resume_from)
+            if test_mode:
+                return self._test_mode(run)
+            if checkpoints.nothing_to_do():  # e.g. a finished script run again with resume_from='auto'
+                return None
+            checkpoints.watch_signals(self.preemption_signals)
+            self._train(run, checkpoints)
+            checkpoints.raise_if_preempted()
+        finally:
+            if checkpoints is not None:
+                checkpoints.close()
+            self._checkpoints = None
+            self._detach()
+        return None
+
+    def _begin_fit(self, train_loader, test_loader, epochs, max_steps, max_duration, test_interval,
+                   display_progress: bool, return_output_label: bool) -> "_Run":
+        """Check fit's arguments and set the run's shape in ``state``; -> the run's loaders and options."""
+        iters = _epoch_length(train_loader)
         if iters is None:
             raise TypeError(f"fit(train_dataloader=...) needs a loader with a length (len(loader)) to count epochs; "
-                            f"got {type(train_dataloader).__name__}")
+                            f"got {type(train_loader).__name__}")
         if iters == 0:
             raise ValueError("fit(train_dataloader=...) is empty: len(train_dataloader) == 0")
         st = self.state
@@ -380,73 +397,60 @@ class Trainer:
         st.stop_training, st.stop_reason, st.last_eval_step = False, None, None
         st.max_epochs, st.max_steps, st.total_steps = max_epochs, max_steps, total_steps
         st.steps_per_epoch, st.iters_per_epoch = steps_per_epoch, iters
-        st.fitting, st.will_test = True, test_dataloader is not None
-        display = bool(display_progress) and gpc.get_global_rank() == 0
-        run = _Run(train_dataloader, test_dataloader, interval, display, return_output_label)
+        st.fitting, st.will_test = True, test_loader is not None
+        display = bool(display_progress) and is_rank_0()
+        return _Run(train_loader, test_loader, interval, display, return_output_label)
 
-        checkpoints = None
-        try:
-            self._attach(hooks, "training")
-            checkpoints = self._checkpoints = CheckpointSession(self, train_dataloader, saving=not test_mode)
-            checkpoints.resume(resume_from)
-            if test_mode:
-                return self._test_mode(run)
-            if checkpoints.nothing_to_do():  # e.g. a finished script run again with resume_from='auto'
-                return None
-            checkpoints.watch_signals(self.preemption_signals)
-            self._engine.train()
-            self.fire(Event.BEFORE_TRAIN)
-            for epoch in range(st.epoch, max_epochs):
-                if st.max_steps_reached:
-                    break
-                self._train_epoch(run, epoch)
-                if checkpoints.preempted:
-                    break
-                self._evaluate_after_epoch(run)
-                if st.batch_idx >= iters:  # a finished epoch; a cut-short one is continued by the next fit
-                    st.epoch += 1
-                    st.batch_idx = 0
-                if checkpoints.at_epoch_boundary():  # a safe point: interval saves; preemption
-                    break
-                if st.max_steps_reached:
-                    if self._verbose:
-                        log_rank_0(self._logger, f"Max number of steps {max_steps} has been reached, "
-                                                 f"training is stopped automatically")
-                    break
-                if st.stop_training:
-                    log_rank_0(self._logger, f"Training stopped at epoch {epoch}, step {st.step}: "
-                                             f"{st.stop_reason or 'state.stop_training was set by a hook'}")
-                    break
-            self._engine.check_loss_finite()
-            checkpoints.finish()
-            self.fire(Event.AFTER_TRAIN)
-            checkpoints.raise_if_preempted()
-        finally:
-            if checkpoints is not None:
-                checkpoints.close()
-            self._checkpoints = None
-            self._detach()
-        return None
+    def _train(self, run: "_Run", checkpoints: CheckpointSession) -> None:
+        """The epochs, from where the state stands to the end of the run or the first reason to stop."""
+        st = self.state
+        self._engine.train()
+        self.fire(Event.BEFORE_TRAIN)
+        for epoch in range(st.epoch, st.max_epochs):
+            if st.max_steps_reached:
+                break
+            self._train_epoch(run, epoch, checkpoints)
+            if checkpoints.preempted:
+                break
+            self._evaluate_after_epoch(run)
+            if st.batch_idx >= st.iters_per_epoch:  # a finished epoch; a cut-short one is continued by the next fit
+                st.epoch += 1
+                st.batch_idx = 0
+            if checkpoints.at_epoch_boundary() or self._stops_after(epoch):  # (a safe point: interval saves)
+                break
+        self._engine.check_loss_finite()
+        checkpoints.finish()
+        self.fire(Event.AFTER_TRAIN)
 
-    def _train_epoch(self, run: "_Run", epoch: int) -> None:
+    def _stops_after(self, epoch: int) -> bool:
+        """The step limit was reached or a hook asked to stop (said on rank 0)."""
+        st = self.state
+        if st.max_steps_reached:
+            if self._verbose:
+                log_rank_0(self._logger, f"Max number of steps {st.max_steps} has been reached, "
+                                         f"training is stopped automatically")
+            return True
+        if st.stop_training:
+            log_rank_0(self._logger, f"Training stopped at epoch {epoch}, step {st.step}: "
+                                     f"{st.stop_reason or 'state.stop_training was set by a hook'}")
+            return True
+        return False
+
+    def _train_epoch(self, run: "_Run", epoch: int, checkpoints: Optional[CheckpointSession] = None) -> None:
         st, engine, timer = self.state, self._engine, self._run_timer
         engine.train()
         st.phase = "train"
         _set_sampler_epoch(run.train_loader, epoch)
         skip = st.batch_idx  # resuming inside the epoch: start after the batches already trained on
-        drop = _start_inside_epoch(run.train_loader, st.iters_per_epoch, skip)
-        data_iter = iter(run.train_loader)
-        for _ in range(drop):
-            next(data_iter)
+        data_iter = _iterate_from(run.train_loader, st.iters_per_epoch, skip)
+        engine.window.continue_at(skip)
         st.epoch_start_step = st.step - skip // engine.window.size
         progress = make_progress(run.display, f"[Epoch {epoch} / Train]", st.iters_per_epoch - skip, self.states)
-        step_eval = run.interval.unit is not TimeUnit.EPOCH and run.test_loader is not None
-        boundary = self._checkpoints.at_step_boundary if self._checkpoints is not None and \
-            self._checkpoints.active else None
         self.fire(Event.BEFORE_TRAIN_EPOCH)
         self._continue_metrics(skip)
         timer.start("Train-epoch")
-        preempted = self._train_loop(run, data_iter, skip, progress, step_eval, boundary)
+        boundary = checkpoints.at_step_boundary if checkpoints is not None and checkpoints.active else None
+        preempted = self._train_loop(run, data_iter, progress, boundary)
         timer.stop("Train-epoch", keep_in_history=True)
         progress.close(st.batch_idx - skip)
         if preempted:  # the checkpoint is written; the epoch did not end, so no epoch-end events
@@ -473,144 +477,51 @@ class Trainer:
                 states[name] = state
         return states
 
-    def _train_loop(self, run: "_Run", data_iter, skip: int, progress, step_eval: bool = False, boundary=None,
-                    until_step: bool = False) -> bool:
-        """The micro-batches of an epoch from index ``skip`` on: the engine loop's steps with the iteration
-        events between them. Returns True when a checkpoint boundary asked to stop (preemption).
-
-        ``until_step``: stop after the first optimizer step (test mode). The whole iteration is written out
-        here, not in a method called per micro-batch: on a step whose model work evicts the caches, each
-        Python call and object touched per iteration costs far more than its instructions (docs/trainer.md,
-        "What a step costs"). Events without subscribers cost a truth test; the timer is only called when
-        the run has one; nothing is called through ``*args``.
-        """
-        st, engine, h = self.state, self._engine, self._h
-        timer = self._run_timer
-        timed = timer is not _NULL_TIMER
-        window, schedule, device, auto_batcher = engine.window, engine.schedule, engine.device, engine.auto_batcher
-        forward, criterion = engine.micro_step_callables()
-        return_output_label = run.return_output_label
-        before_iter, before_zero_grad, after_iter = h.before_train_iter, h.before_zero_grad, h.after_train_iter
-        batch_loaded, before_forward, after_forward = h.after_batch_loaded, h.before_forward, h.after_forward
-        after_loss, before_backward, after_backward = h.after_loss, h.before_backward, h.after_backward
-        # the display wants ``update`` when batch_idx reaches ``due`` or the clock ``due_time`` (never: inf)
-        due, due_time, clock = progress.due + skip, progress.due_time, time.monotonic
-        max_steps = st.max_steps if st.max_steps is not None else math.inf
+    def _train_loop(self, run: "_Run", data_iter: Iterator, progress, boundary=None, until_step: bool = False) -> bool:
+        """The epoch's micro-batches from ``state.batch_idx`` on, one training step each, with the iteration's
+        events around it. Returns True when a checkpoint ``boundary`` asked to stop (preemption).
+        ``until_step``: stop after the first optimizer step (test mode)."""
+        st, engine, h, timer = self.state, self._engine, self._h, self._run_timer
         end = st.iters_per_epoch
-        if skip >= end:
-            return False
-        Tensor, process = torch.Tensor, schedule.data_process_func
-        # Each iteration starts with before_train_iter, the step timer and (first micro-batch of a window)
-        # before_zero_grad and zero_grad, then loads its batch. With none of them but zero_grad, the batch comes
-        # straight from a ``for`` over the loader (zero_grad then runs just after it is loaded, which nothing can
-        # tell apart); a ``next()`` per iteration from here costs several us more when the caches are cold.
-        ordered = bool(before_iter or before_zero_grad) or timed
-        batches = self._iteration_starts(data_iter, timer if timed else None) if ordered else data_iter
-        for batch in batches:
-            if not ordered and window.micro_step == 0:  # a new accumulation window: gradients are cleared
-                engine.zero_grad()
-            st.stepped = st.updated = False
-            # ``schedule.place``, its common case written out: (data, label) tensors already on the device
-            if (type(batch) is tuple or type(batch) is list) and len(batch) == 2 and process is None \
-                    and type(batch[0]) is Tensor and type(batch[1]) is Tensor \
-                    and batch[0].device == device and batch[1].device == device:
-                data, label = batch
-            else:
-                batch, data, label = schedule.place(batch, device)
-            schedule.current_batch = st.batch = batch
-            st.data, st.label = data, label
-            if batch_loaded:
-                for fn in batch_loaded:
-                    fn(self)
-                if st.batch is not batch:  # a hook replaced the whole batch
-                    st.data, st.label = schedule.split(st.batch)
-                data, label = st.data, st.label
-            if before_forward:
-                for fn in before_forward:
-                    fn(self)
-                data, label = st.data, st.label
-            if auto_batcher is None:
-                output = st.output = forward(data) if type(data) is Tensor else call_with(forward, data)
-                if after_forward:
-                    for fn in after_forward:
-                        fn(self)
-                    output, label = st.output, st.label
-                if type(output) is Tensor and type(label) is Tensor:
-                    loss = st.loss = criterion(output, label)
-                else:
-                    loss = st.loss = call_criterion(criterion, output, label)
-                if after_loss or before_backward:
-                    for fn in after_loss:
-                        fn(self)
-                    for fn in before_backward:
-                        fn(self)
-                    loss = st.loss
-                engine.backward(loss)
-            else:  # gradient_accumulation='auto': forward, loss and backward run as one unit (retried on OOM)
-                window.begin_backward()
-                st.output, st.loss = auto_batcher.run(engine, data, label)
-            if after_backward:
-                for fn in after_backward:
-                    fn(self)
-            stepped = window.micro_step >= window.current_size  # ``window.ready``, without the property call
-            if stepped:
-                st.updated = engine.step()
-                st.stepped = True
-                st.step += 1
-                st.grad_norm = engine.grad_norm
-            st.iteration += 1
-            batch_idx = st.batch_idx = st.batch_idx + 1
-            if timed:
-                timer.stop("Train-step", keep_in_history=True)
-            if after_iter:
-                output, label = (st.output, st.label) if return_output_label else (None, None)
-                loss = st.loss
-                for fn in after_iter:
-                    fn(self, output, label, loss)
-            if batch_idx >= due or clock() >= due_time:
-                progress.update(batch_idx - skip)
-                due, due_time = progress.due + skip, progress.due_time
-            if stepped and until_step:
-                break  # (test mode reads this step's loss)
-            # The iteration is over: its outputs and loss (and through them its autograd graph) are let go now,
-            # not when the next iteration overwrites them after its forward: held across the next step, the old
-            # graph is freed in the middle of it, among that step's allocations (docs/trainer.md, "What a step costs").
-            output = loss = st.output = st.loss = None
-            if stepped:
-                if step_eval and run.interval.is_step_boundary(st.step):
-                    progress.pause()  # one live bar at a time
-                    self._eval(run.test_loader, st.epoch, run.display, run.return_output_label)
-                    progress.resume()
-                if boundary is not None and boundary():  # a safe point: interval saves; preemption
-                    return True
-                if st.step >= max_steps:
-                    break
-            if st.stop_training or batch_idx >= end:
-                break
-        else:
-            raise RuntimeError(f"the train_dataloader stopped after {st.batch_idx} batches of an epoch, but its len() "
-                               f"is {end}: make __len__ give the number of batches __iter__ yields")
-        return False
-
-    def _iteration_starts(self, data_iter, timer) -> Iterator:
-        """The training batches, each loaded after the start of its iteration: ``before_train_iter``, the step
-        timer (so a step's time includes loading its data) and, on a window's first micro-batch,
-        ``before_zero_grad`` and ``zero_grad`` run first, as in the legacy trainer."""
-        h, engine = self._h, self._engine
-        before_iter, before_zero_grad, window = h.before_train_iter, h.before_zero_grad, engine.window
-        while True:
-            for fn in before_iter:
-                fn(self)
-            if timer is not None:
-                timer.start("Train-step")
-            if window.micro_step == 0:
-                for fn in before_zero_grad:
-                    fn(self)
+        while st.batch_idx < end:
+            where = engine.window.plan(st.batch_idx, end)
+            _call_each(h.before_train_iter, self)
+            timer.start("Train-step")  # (a step's time includes loading its batch)
+            if where.first:
+                _call_each(h.before_zero_grad, self)
                 engine.zero_grad()
             batch = next(data_iter, _END)
             if batch is _END:
-                return
-            yield batch
+                raise RuntimeError(f"the train_dataloader stopped after {st.batch_idx} batches of an epoch, but its "
+                                   f"len() is {end}: make __len__ give the number of batches __iter__ yields")
+            self._step(batch, where)
+            st.iteration += 1
+            st.batch_idx += 1
+            st.step += where.last
+            timer.stop("Train-step", keep_in_history=True)
+            output, label = (st.output, st.label) if run.return_output_label else (None, None)
+            for fn in h.after_train_iter:
+                fn(self, output, label, st.loss)
+            progress.advance()
+            if where.last and until_step:
+                return False  # (test mode reads this step's loss)
+            # The iteration's outputs and loss (and through them its autograd graph) are let go now, not in the
+            # middle of the next step's allocations when its forward overwrites them.
+            output = label = st.output = st.loss = None
+            if where.last and self._after_optimizer_step(run, progress, boundary):
+                return True
+            if st.stop_training or st.max_steps_reached:
+                break
+        return False
+
+    def _after_optimizer_step(self, run: "_Run", progress, boundary) -> bool:
+        """Evaluate when a step interval is due; then the checkpoint boundary (True: stop, preempted)."""
+        if run.test_loader is not None and run.interval.unit is not TimeUnit.EPOCH \
+                and run.interval.is_step_boundary(self.state.step):
+            progress.pause()  # one live display at a time
+            self._eval(run.test_loader, self.state.epoch, run.display, run.return_output_label)
+            progress.resume()
+        return boundary is not None and bool(boundary())
 
     def _evaluate_after_epoch(self, run: "_Run") -> None:
         """Evaluate when the epochs completed are a multiple of an ep interval, and at the end of training."""
@@ -631,7 +542,7 @@ class Trainer:
         st.fitting, st.will_test = False, True
         try:
             self._attach(hooks, "evaluation")
-            display = bool(display_progress) and gpc.get_global_rank() == 0
+            display = bool(display_progress) and is_rank_0()
             self._eval(test_dataloader, None, display, return_output_label)
             return {name: metric.get_accumulated_value() for name, metric in self.states["metrics"]["test"].items()}
         finally:
@@ -639,45 +550,21 @@ class Trainer:
 
     def _eval(self, loader, epoch: Optional[int], display: bool, return_output_label: bool,
               max_batches: Optional[int] = None) -> int:
-        st, engine, h, timer = self.state, self._engine, self._h, self._run_timer
-        schedule = engine.schedule
+        """One pass of evaluation's step over ``loader`` (at most ``max_batches``); -> the batches run."""
+        st, engine, timer = self.state, self._engine, self._run_timer
         was_training = engine.training
         engine.eval()
         st.phase = "test"
         total = _loader_len(loader)
         if max_batches is not None:
             total = max_batches if total is None else min(total, max_batches)
-        has_criterion = engine.criterion.wrapped is not None
         self.fire(Event.BEFORE_TEST)
         progress = make_progress(display, "Evaluation" if epoch is None else f"[Epoch {epoch} / Test]", total,
                                  self.states)
         self.fire(Event.BEFORE_TEST_EPOCH)
         timer.start("Test-epoch")
-        data_iter = iter(loader)
-        count = 0
         with torch.no_grad():
-            while total is None or count < total:
-                if total is None:  # a loader without len: look ahead so no iteration starts past its end
-                    raw = next(data_iter, _END)
-                    if raw is _END:
-                        break
-                    source = iter((raw,))
-                else:
-                    source = data_iter
-                for fn in h.before_test_iter:
-                    fn(self)
-                timer.start("Test-step")
-                st.batch = schedule.load_batch(source, engine.device)
-                st.data, st.label = schedule.split(st.batch)
-                st.output = call_with(engine, st.data)
-                st.loss = call_criterion(engine.criterion, st.output, st.label) if has_criterion else None
-                timer.stop("Test-step", keep_in_history=True)
-                if h.after_test_iter:
-                    output, label = (st.output, st.label) if return_output_label else (None, None)
-                    for fn in h.after_test_iter:
-                        fn(self, output, label, st.loss)
-                count += 1
-                progress.advance()
+            count = self._eval_batches(loader, total, return_output_label, progress)
         timer.stop("Test-epoch", keep_in_history=True)
         progress.close()
         self.fire(Event.AFTER_TEST_EPOCH)
@@ -690,6 +577,36 @@ class Trainer:
             engine.train()
             st.phase = "train"
         return count
+
+    def _eval_batches(self, loader, total: Optional[int], return_output_label: bool, progress) -> int:
+        st, h, timer, step = self.state, self._h, self._run_timer, self._step
+        with_loss = self._engine.criterion.wrapped is not None
+        count = 0
+        for batch in self._test_batches(loader, total):
+            step.forward_only(batch, with_loss)
+            timer.stop("Test-step", keep_in_history=True)
+            output, label = (st.output, st.label) if return_output_label else (None, None)
+            for fn in h.after_test_iter:
+                fn(self, output, label, st.loss)
+            count += 1
+            progress.advance()
+        return count
+
+    def _test_batches(self, loader, total: Optional[int]) -> Iterator:
+        """The evaluation batches, each fetched after ``before_test_iter`` and the step timer started (a step's time
+        includes loading its batch); a loader without len is read one batch ahead, so no iteration starts past
+        its end."""
+        data_iter = iter(loader)
+        ahead = next(data_iter, _END) if total is None else None
+        count = 0
+        while ahead is not _END if total is None else count < total:
+            _call_each(self._h.before_test_iter, self)
+            self._run_timer.start("Test-step")
+            batch, ahead = (ahead, next(data_iter, _END)) if total is None else (next(data_iter, _END), None)
+            if batch is _END:
+                return
+            yield batch
+            count += 1
 
     # -- predict -----------------------------------------------------------------------------------
     def predict(self, data: Any):
@@ -712,68 +629,42 @@ class Trainer:
         engine.train()
         self.fire(Event.BEFORE_TRAIN)
         st.phase = "train"
-        data_iter = iter(run.train_loader)
         self.fire(Event.BEFORE_TRAIN_EPOCH)
-        self._train_loop(run, data_iter, st.batch_idx, NO_PROGRESS, until_step=True)
+        engine.window.continue_at(st.batch_idx)
+        self._train_loop(run, iter(run.train_loader), NO_PROGRESS, until_step=True)
         n_train = st.iteration - saved_progress["iteration"]
-        train_loss = st.loss.detach().float()
-        updated = st.updated
+        train_loss, updated = st.loss.detach().float(), st.updated
         self.fire(Event.AFTER_TRAIN_EPOCH)
         eval_loss, n_eval = None, 0
         if run.test_loader is not None:
             n_eval = self._eval(run.test_loader, st.epoch, False, run.return_output_label, max_batches=1)
             if st.loss is not None:
                 eval_loss = st.loss.detach().float()
-        checkpoint_note = self._test_mode_checkpoint_round_trip(run)
-        checkpoint_ok = checkpoint_note is None or "FAILED" not in checkpoint_note
+        checkpoint_note = checkpoint_round_trip(self, run.train_loader)
         self.fire(Event.AFTER_TRAIN)
-
-        params = [p for p in engine.unwrapped_model.parameters()]
-        checks = [torch.isfinite(train_loss).all()]
-        if eval_loss is not None:
-            checks.append(torch.isfinite(eval_loss).all())
-        checks.extend(torch.isfinite(p.detach()).all() for p in params)
-        flag = torch.stack(checks).all().to(torch.float32).reshape(1)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            flag = flag.to(engine.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # the verdict every rank returns is the same
-        finite = bool(flag.item() > 0)
-        ok = finite and checkpoint_ok
-        train_value = float(train_loss.item())
-        eval_value = None if eval_loss is None else float(eval_loss.item())
+        finite = self._all_finite([train_loss] + ([eval_loss] if eval_loss is not None else []))
         st.load_state_dict(saved_progress)
+        result = _test_mode_result(finite, checkpoint_note, n_train, n_eval, run.test_loader is not None,
+                                   float(train_loss.item()), None if eval_loss is None else float(eval_loss.item()),
+                                   bool(updated))
+        self._report_test_mode(result)
+        return result
 
-        parts = [f"{n_train} train batch" + ("es" if n_train != 1 else "")]
-        if run.test_loader is not None:
-            parts.append(f"{n_eval} eval batch" + ("es" if n_eval != 1 else ""))
-        ran = " and ".join(parts) + " ran"
-        losses = f"train loss {train_value:.4g}" + ("" if eval_value is None else f", eval loss {eval_value:.4g}")
-        step = "optimizer step applied" if updated else "optimizer step skipped (fp16 overflow)"
-        if run.test_loader is None:
-            step += ", no test_dataloader given"
-        if checkpoint_note:
-            step += f", {checkpoint_note}"
-        verdict = "OK" if ok else ("FAILED (a loss or a parameter is NaN or inf)" if not finite
-                                   else "FAILED (the checkpoint round trip failed)")
-        message = f"test mode: {ran} ({losses}; {step}), loss finite: {verdict}"
+    def _all_finite(self, losses: List[torch.Tensor]) -> bool:
+        """The losses and every parameter are finite on every rank (one all-reduce: all ranks give one verdict)."""
+        params = list(self._engine.unwrapped_model.parameters())
+        checks = [torch.isfinite(x).all() for x in losses] + [torch.isfinite(p.detach()).all() for p in params]
+        flag = torch.stack(checks).all().to(torch.float32).reshape(1).to(self._engine.device)
+        return bool(all_reduce_min_(flag).item() > 0)
+
+    def _report_test_mode(self, result: "TestModeResult") -> None:
         logger = self._logger if self._logger is not None else get_dist_logger()
-        if ok:
-            log_rank_0(logger, message)
+        if result.ok:
+            log_rank_0(logger, result.message)
         elif isinstance(logger, DistributedLogger):
-            logger.error(message, ranks=[0])
-        elif gpc.get_global_rank() == 0:
-            logger.error(message)
-        return TestModeResult(ok=ok, message=message, train_batches=n_train, eval_batches=n_eval,
-                              train_loss=train_value, eval_loss=eval_value, optimizer_updated=bool(updated),
-                              checkpoint=checkpoint_note)
-
-    def _test_mode_checkpoint_round_trip(self, run: "_Run") -> Optional[str]:
-        """Save the engine and trainer state to a temporary folder, read it back, compare; the folder is removed.
-
-        Returns a few words for the verdict: ``'checkpoint round trip OK (12.3 kB, 0.01 s)'`` or
-        ``'checkpoint round trip FAILED (...)'``. Nothing is loaded back into the run.
-        """
-        return checkpoint_round_trip(self, run.train_loader)
+            logger.error(result.message, ranks=[0])
+        elif is_rank_0():
+            logger.error(result.message)
 
     # -- state ------------------------------------------------------------------------------------------
     def _hook_keys(self) -> List[str]:

@@ -58,6 +58,6 @@ ITERATION_EVENTS = (
     Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD, Event.AFTER_GRAD_NORM, Event.BEFORE_OPTIMIZER_STEP,
     Event.AFTER_OPTIMIZER_STEP,
 )
-# the three events Engine.step raises through ``engine.event_sink``
+# the events around the update at a window's end, fired by the training step between the engine's calls
 ENGINE_EVENTS = (Event.AFTER_GRAD_NORM, Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP)
 CHECKPOINT_EVENTS = (Event.ON_SAVE_CHECKPOINT, Event.ON_LOAD_CHECKPOINT)

@@ -103,9 +103,14 @@ def test_token_count_does_not_outlive_an_abandoned_window_and_survives_a_resume(
         engine.zero_grad()
         engine.backward(engine.criterion(engine(x), y))
         break
-    assert engine.window.tokens is not None
-    iter(loader).__next__()  # a new epoch starts: the open window (and its tokens) is dropped
-    assert engine.window.tokens is None and engine.window.micro_step == 0
+    abandoned = engine.reduction.tokens
+    assert abandoned is not None
+    x, y = next(iter(loader))  # a new epoch starts: the open window (and its tokens) is dropped
+    engine.zero_grad()
+    loss = engine.criterion(engine(x), y)
+    counted = engine.reduction._micro_tokens
+    engine.backward(loss)
+    assert torch.equal(engine.reduction.tokens, counted) and engine.window.micro_step == 1
 
     # a state taken mid-window carries the token count, so the resumed update divides by all tokens
     full, _ = build_engine()

@@ -406,7 +406,7 @@ def test_early_stopping_argument_errors():
                                          r"\['Loss'\] and test metrics \['Loss'\]; add the hook"):
         trainer.fit(make_batches(2), epochs=1, test_dataloader=make_batches(1),
                     hooks=[LossHook(), EarlyStoppingHook("test/Accuracy")])
-    assert not trainer.state.fitting and engine.event_sink is None  # the failed attach was cleaned up
+    assert not trainer.state.fitting and trainer._step is None  # the failed attach was cleaned up
 
 
 @pytest.mark.parametrize("interpolate_loss", [True, False])

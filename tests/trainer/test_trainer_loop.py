@@ -144,22 +144,53 @@ def test_fit_equals_engine_loop_under_bf16_autocast():
         assert torch.equal(a, b)
 
 
-def test_micro_step_callables_skip_the_engine_only_when_it_adds_nothing():
-    x, y = make_batches(1)[0]
-    engine, _ = make_engine(make_model())
-    forward, criterion = engine.micro_step_callables()
-    assert forward is engine.model and criterion is engine.criterion.wrapped  # fp32: the user's own objects
+def test_the_engine_always_calls_its_parts_so_a_users_own_precision_and_strategy_are_never_skipped():
+    from colossal_lite.amp.precision import FP32Precision
+    from colossal_lite.engine.strategy import SingleProcess
 
+    calls = []
+
+    class CountingPrecision(FP32Precision):  # fp32 arithmetic, like the do-nothing part it extends
+        def autocast(self):
+            calls.append("autocast")
+            return super().autocast()
+
+        def backward(self, loss):
+            calls.append("backward")
+            super().backward(loss)
+
+        def step(self, optimizer):
+            calls.append("step")
+            super().step(optimizer)
+
+    class CountingStrategy(SingleProcess):
+        def no_sync(self, model):
+            calls.append("no_sync")
+            return super().no_sync(model)
+
+        def reduce_gradients(self, model):
+            calls.append("reduce")
+
+        def clip_grad_norm_(self, parameters, max_norm):
+            calls.append("clip")
+            return super().clip_grad_norm_(parameters, max_norm)
+
+    batches = make_batches(4)
+    model = make_model()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                    precision=CountingPrecision(), strategy=CountingStrategy(), window=AccumulationWindow(2),
+                    clip_grad_norm=1.0)
+    Trainer(engine).fit(AccumulationDataLoader(batches, engine.window), epochs=1)
+    window = ["autocast", "autocast", "no_sync", "backward", "autocast", "autocast", "backward", "reduce", "clip", "step"]
+    assert calls == window * 2  # forward and criterion under autocast; no_sync on the window's first micro-batch
+
+    x, y = batches[0]
     bf16, _ = make_engine(make_model(), precision=BF16Precision("cpu"))
-    forward, criterion = bf16.micro_step_callables()
-    assert forward == bf16.__call__ and criterion == bf16.criterion.__call__
-    assert forward(x).dtype == torch.bfloat16
-
+    assert bf16(x).dtype == torch.bfloat16
     model = make_model()
     bare = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1))  # no criterion: the clear error stays
-    forward, criterion = bare.micro_step_callables()
     with pytest.raises(RuntimeError, match="initialize\\(\\) got no criterion"):
-        criterion(forward(x), y)
+        bare.criterion(bare(x), y)
 
 
 def test_hooks_sorted_by_priority_ties_keep_order_and_list_untouched():
@@ -296,10 +327,13 @@ def test_grad_norm_event_receives_the_norm_and_engine_is_restored():
 
     model = make_model()
     engine, _ = make_engine(model)
-    assert engine.measure_grad_norm is False and engine.event_sink is None
     Trainer(engine).fit(make_batches(2), epochs=1, hooks=[Norms()])
     assert len(norms) == 2 and all(n > 0 for n in norms)
-    assert engine.measure_grad_norm is False and engine.event_sink is None  # put back after fit
+    x, y = make_batches(1)[0]  # the engine alone, after fit, measures no norm: nothing of the run is left on it
+    engine.zero_grad()
+    engine.backward(engine.criterion(engine(x), y))
+    engine.grad_norm = None
+    assert engine.step() and engine.grad_norm is None and len(norms) == 2
 
 
 def recorder_steps(event_name):

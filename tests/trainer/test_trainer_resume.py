@@ -80,5 +80,6 @@ def test_hooks_between_forward_and_backward_are_refused_with_auto_micro_batching
     engine.auto_batcher = AutoMicroBatcher()
     with pytest.raises(ValueError, match=r"gradient_accumulation='auto' runs forward, loss and backward as one unit.*"
                                          r"these hooks try to: MixUp.after_forward, MixUp.after_loss"):
-        Trainer(engine).fit([(torch.randn(4, 6), torch.zeros(4, dtype=torch.long))], epochs=1, hooks=[MixUp()])
-    assert engine.event_sink is None
+        trainer = Trainer(engine)
+        trainer.fit([(torch.randn(4, 6), torch.zeros(4, dtype=torch.long))], epochs=1, hooks=[MixUp()])
+    assert trainer._step is None and not trainer.state.fitting

@@ -1,0 +1,73 @@
+"""A batch on its way into the model: moved to the device, split into (data, label), spread into calls.
+
+Batches are tensors or nested lists, tuples (named too) and dicts of them; ``torch.utils._pytree``
+walks them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.device == device:
+        return tensor
+    # from pinned host memory the copy to the GPU runs asynchronously; the stream keeps it ordered
+    return tensor.to(device, non_blocking=device.type == "cuda" and tensor.is_pinned())
+
+
+def move_to_device(obj: Any, device: torch.device) -> Any:
+    """Tensors, and tensors inside lists, tuples and dicts, moved to ``device``.
+
+    The usual batch, a ``(data, label)`` pair of tensors already on ``device``, is returned as it is without
+    walking it (a walk rebuilds every container, on the path that runs once per micro-batch).
+    """
+    if type(obj) is tuple and len(obj) == 2 and all(type(t) is torch.Tensor and t.device == device for t in obj):
+        return obj
+    return pytree.tree_map_only(torch.Tensor, lambda t: _to(t, device), obj)
+
+
+def first_tensor(obj: Any) -> Optional[torch.Tensor]:
+    """The first tensor in ``obj`` (depth first), or None."""
+    return next((leaf for leaf in pytree.tree_leaves(obj) if isinstance(leaf, torch.Tensor)), None)
+
+
+def batch_len(obj: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor."""
+    t = first_tensor(obj)
+    if t is None or t.dim() == 0:
+        raise TypeError(f"cannot split a batch of type {type(obj).__name__} into micro-batches: it holds no tensor "
+                        f"with a batch dimension")
+    return t.shape[0]
+
+
+def split_samples(obj: Any, parts: int, n: int) -> List[Any]:
+    """``obj`` cut along dim 0 into ``parts`` pieces: every tensor with ``n`` rows is cut, anything else repeated."""
+    leaves, spec = pytree.tree_flatten(obj)
+    columns = [torch.tensor_split(leaf, parts) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+               and leaf.shape[0] == n else [leaf] * parts for leaf in leaves]
+    return [pytree.tree_unflatten([col[i] for col in columns], spec) for i in range(parts)]
+
+
+def call_with(fn: Callable, args: Any, *extra):
+    """Tensor -> fn(t), list/tuple -> fn(*x), dict -> fn(**x)."""
+    if isinstance(args, dict):
+        return fn(*extra, **args)
+    if isinstance(args, (list, tuple)):
+        return fn(*extra, *args)
+    return fn(*extra, args)
+
+
+def call_criterion(criterion: Callable, outputs: Any, labels: Any):
+    """Legacy argument spreading: outputs and labels as tensors, sequences or dicts."""
+    outs = (outputs,) if not isinstance(outputs, (list, tuple, dict)) else outputs
+    labs = (labels,) if not isinstance(labels, (list, tuple, dict)) else labels
+    if isinstance(outs, dict):
+        if not isinstance(labs, dict):
+            raise ValueError("the model returned a dict, so the labels must be a dict too (criterion(**outputs, **labels))")
+        return criterion(**outs, **labs)
+    if isinstance(labs, dict):
+        return criterion(*outs, **labs)
+    return criterion(*outs, *labs)

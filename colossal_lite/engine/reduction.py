@@ -1,0 +1,109 @@
+"""Gradient reduction: what the gradient of one optimizer step is the average (or sum) of.
+
+One class per config value ``grad_reduction``, always called by the Engine:
+
+- ``MeanReduction`` ('mean', the default): the mean over the window's micro-batches and the ranks;
+  each micro-batch's loss is divided by its window's size, data parallelism averages over ranks.
+- ``SumReduction`` ('sum'): the sum over every sample of every rank (the loss is not divided, and the
+  ranks' average is multiplied back by the world size).
+- ``TokenMeanReduction`` ('per-token-mean'): the mean over every real token of the window on every
+  rank, whatever the micro-batches' token counts: each micro-batch's per-token mean loss is weighed
+  by its token count, and the sum divided by the global count at the step.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..core.dist import all_reduce_sum_, world_size
+from .accumulation import MicroBatch, rescale_grads_
+
+GRAD_REDUCTIONS = ("mean", "sum", "per-token-mean")
+
+
+class MeanReduction:
+    name = "mean"
+
+    def criterion_result(self, result: Any) -> Any:
+        """What ``engine.criterion`` returns for the criterion's ``result``."""
+        return result
+
+    def loss_for_backward(self, loss: torch.Tensor, where: MicroBatch, num_tokens=None) -> torch.Tensor:
+        return loss / where.divisor if where.divisor != 1 else loss
+
+    def finish(self, params, closing: MicroBatch) -> None:
+        """The window's gradients are summed (and reduced over ranks): make them the chosen reduction."""
+        rescale_grads_(params, closing.correction)
+
+    def reset(self) -> None:
+        """A window opens (the last one was applied, skipped or abandoned): nothing of it is kept."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+
+class SumReduction(MeanReduction):
+    name = "sum"
+
+    def loss_for_backward(self, loss, where, num_tokens=None):
+        return loss
+
+    def finish(self, params, closing):
+        world = world_size()
+        if world > 1:  # data parallelism averaged the ranks' sums
+            rescale_grads_(params, float(world))
+
+
+class TokenMeanReduction(MeanReduction):
+    name = "per-token-mean"
+
+    def __init__(self):
+        self._micro_tokens: Optional[torch.Tensor] = None  # the last criterion's real-token count
+        self.tokens: Optional[torch.Tensor] = None  # real tokens of the open window on this rank
+
+    def criterion_result(self, result):
+        if isinstance(result, tuple) and len(result) == 2:  # (loss_sum, num_tokens)
+            loss_sum, num_tokens = result
+            return self.token_loss(loss_sum, num_tokens)
+        return result
+
+    def token_loss(self, loss_sum: torch.Tensor, num_tokens) -> torch.Tensor:
+        """Record a micro-batch's real-token count; returns its per-token mean loss (what ``backward`` takes)."""
+        n = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss_sum.device)
+        self._micro_tokens = n
+        return loss_sum / n.clamp(min=1)
+
+    def loss_for_backward(self, loss, where, num_tokens=None):
+        n = self._micro_tokens if num_tokens is None else torch.as_tensor(num_tokens, dtype=torch.float32,
+                                                                          device=loss.device)
+        if n is None:
+            raise RuntimeError("grad_reduction='per-token-mean' needs each micro-batch's real-token count: let the "
+                               "criterion return (loss_sum, num_tokens) or call engine.backward(loss, num_tokens=n)")
+        self._micro_tokens = None
+        self.tokens = n if self.tokens is None else self.tokens + n
+        return loss * n  # back to the micro-batch's token sum; divided by the global count at the step
+
+    def finish(self, params, closing):
+        total = self.tokens if self.tokens is not None else torch.zeros(())
+        total = all_reduce_sum_(total.clone())  # every rank: the global real-token count
+        rescale_grads_(params, world_size() / total.clamp(min=1))
+
+    def reset(self):
+        self.tokens = None
+
+    def state_dict(self):
+        return {"tokens": None if self.tokens is None else self.tokens.detach().clone()}
+
+    def load_state_dict(self, state):
+        self.tokens = state.get("tokens")
+
+
+def build_reduction(name: str) -> MeanReduction:
+    classes = {"mean": MeanReduction, "sum": SumReduction, "per-token-mean": TokenMeanReduction}
+    if name not in classes:
+        raise ValueError(f"grad_reduction must be 'mean', 'sum' or 'per-token-mean', got {name!r}")
+    return classes[name]()

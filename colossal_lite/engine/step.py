@@ -1,0 +1,141 @@
+"""One training micro-step, written once, in the legacy order.
+
+load and split the batch -> forward -> criterion -> backward, and at the end of an accumulation window
+-> reduce gradients -> clip -> optimizer step. The fine events of an iteration fire between those
+lines: the Trainer gives its hooks' handlers and its ``State`` (which hooks read and change);
+``Engine.execute_schedule`` runs the same step with no handlers. Automatic micro-batching is the same
+step with forward, loss and backward run as one retriable unit; evaluation is the forward-only form.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .accumulation import MicroBatch
+from .batch import call_criterion, call_with
+
+
+class NoEvents:
+    """The handlers of a step nobody listens to: every event has none."""
+
+    after_batch_loaded = before_forward = after_forward = after_loss = before_backward = after_backward = ()
+    after_grad_norm = before_optimizer_step = after_optimizer_step = ()
+
+
+NO_EVENTS = NoEvents()
+
+
+class StepRecord:
+    """What the last micro-step loaded and computed (in ``fit`` the Trainer's ``State`` plays this part)."""
+
+    __slots__ = ("batch", "data", "label", "output", "loss", "grad_norm", "stepped", "updated")
+
+    def __init__(self):
+        self.batch = self.data = self.label = self.output = self.loss = self.grad_norm = None
+        self.stepped = self.updated = False
+
+
+class TrainStep:
+    """Runs micro-steps of ``engine``; ``events`` holds, per event name, the functions to call with
+    ``owner`` (the Trainer) as their first argument; ``record`` receives what each line produced, and what a
+    handler writes there (a new batch, target or loss) is what the next line uses."""
+
+    def __init__(self, engine, record: Any = None, events: Any = NO_EVENTS, owner: Any = None):
+        self.engine = engine
+        self.record = record if record is not None else StepRecord()
+        self.events = events
+        self.owner = owner
+        self.measure_grad_norm = bool(events.after_grad_norm)  # a hook wants the norm even without clipping
+
+    def __call__(self, batch: Any, where: MicroBatch) -> None:
+        """Train on one micro-batch; when it closes its window, update the parameters."""
+        self.record.stepped = self.record.updated = False
+        self.forward_backward(batch, where)
+        if where.last:
+            self.update()
+
+    def _fire(self, handlers) -> None:
+        for fn in handlers:
+            fn(self.owner)
+
+    def load(self, batch: Any) -> None:
+        """Put the batch on the engine's device and split it into ``(data, label)``; a handler of
+        ``after_batch_loaded`` may replace the whole batch (it is split again) or its parts."""
+        rec = self.record
+        placed = self._place(batch)
+        self._fire(self.events.after_batch_loaded)
+        if rec.batch is not placed:
+            rec.data, rec.label = self.engine.schedule.split(rec.batch)
+
+    def _place(self, batch: Any) -> Any:
+        rec = self.record
+        rec.batch, rec.data, rec.label = self.engine.schedule.place(batch, self.engine.device)
+        return rec.batch
+
+    def forward_backward(self, batch: Any, where: Optional[MicroBatch] = None) -> None:
+        rec, events, engine = self.record, self.events, self.engine
+        self.load(batch)
+        self._fire(events.before_forward)
+        rec.output = call_with(engine, rec.data)
+        self._fire(events.after_forward)
+        rec.loss = call_criterion(engine.criterion, rec.output, rec.label)
+        self._fire(events.after_loss)
+        self._fire(events.before_backward)
+        engine.backward(rec.loss, where=where)
+        self._fire(events.after_backward)
+
+    def update(self) -> bool:
+        """The window is complete: reduce and clip the gradients, then the optimizer step; True if applied."""
+        rec, events, engine = self.record, self.events, self.engine
+        rec.stepped = True
+        rec.updated = False
+        if engine.prepare_update():
+            norm = engine.clip_gradients(measure=self.measure_grad_norm)
+            if norm is not None:
+                rec.grad_norm = norm
+                for fn in events.after_grad_norm:
+                    fn(self.owner, norm)
+            self._fire(events.before_optimizer_step)
+            rec.updated = engine.apply_update()
+        self._fire(events.after_optimizer_step)
+        return rec.updated
+
+    def forward_only(self, batch: Any, with_loss: bool = True) -> None:
+        """Evaluation's step: load, forward and (with a criterion) the loss; run it under ``torch.no_grad``.
+        The training events do not fire (evaluation has its own, around it)."""
+        rec, engine = self.record, self.engine
+        self._place(batch)
+        rec.output = call_with(engine, rec.data)
+        rec.loss = call_criterion(engine.criterion, rec.output, rec.label) if with_loss else None
+
+
+class AutoMicroBatchStep(TrainStep):
+    """``gradient_accumulation='auto'``: forward, loss and backward of a batch as one unit that the engine's
+    ``AutoMicroBatcher`` retries in more pieces when it runs out of memory; no handler can act inside it."""
+
+    INSIDE = ("after_forward", "after_loss", "before_backward")
+
+    def __init__(self, engine, record: Any = None, events: Any = NO_EVENTS, owner: Any = None):
+        inside = [f"{_owner_name(fn)}.{name}" for name in self.INSIDE for fn in getattr(events, name)]
+        if inside:
+            raise ValueError(f"gradient_accumulation='auto' runs forward, loss and backward as one unit (a batch "
+                             f"that runs out of memory is retried in pieces), so no hook can act between them; "
+                             f"these hooks try to: {', '.join(inside)}. Use a fixed gradient_accumulation with them")
+        super().__init__(engine, record, events, owner)
+
+    def forward_backward(self, batch, where=None):
+        rec, engine = self.record, self.engine
+        self.load(batch)
+        self._fire(self.events.before_forward)
+        rec.output, rec.loss = engine.auto_batcher.run(engine, rec.data, rec.label, where)
+        self._fire(self.events.after_backward)
+
+
+def _owner_name(fn) -> str:
+    owner = getattr(fn, "__self__", None)
+    return type(owner).__name__ if owner is not None else getattr(fn, "__qualname__", repr(fn))
+
+
+def make_train_step(engine, record: Any = None, events: Any = NO_EVENTS, owner: Any = None) -> TrainStep:
+    """The step ``engine`` trains with: automatic micro-batching when the config asked for it."""
+    cls = AutoMicroBatchStep if engine.auto_batcher is not None else TrainStep
+    return cls(engine, record, events, owner)
