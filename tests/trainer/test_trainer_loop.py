@@ -298,7 +298,7 @@ def test_hooks_replacing_batch_and_loss_change_training_as_computed_by_hand():
 
 def test_an_iterations_outputs_loss_and_graph_are_freed_before_the_next_forward():
     """The last iteration's output and loss (and so its autograd graph) are let go when it ends, not kept
-    alive through the next forward (docs/trainer.md, "What a step costs")."""
+    alive through the next forward, where freeing the old graph would fall among that step's allocations."""
     import weakref
 
     seen = []

@@ -56,7 +56,7 @@ class _RunningSum:
     (an ``alpha`` or a float32 value added straight into float64 would cost more each step).
     Keeping each step's value to sum them later costs no kernel, but on the CPU those small live tensors,
     placed between the step's large buffers, made glibc trim and regrow the heap again and again, and the page
-    faults cost more than the add (figures: docs/trainer.md, "What a step costs").
+    faults cost more than the add.
 
     Values must not require grad: the metrics detach a training loss first.
     """
