@@ -9,7 +9,8 @@ import difflib
 import inspect
 import numbers
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from ..amp.amp_type import AMP_TYPE
 from ..logging import get_dist_logger
@@ -370,6 +371,20 @@ def validate_config(config: Config) -> List[str]:
                      "remove one of 'torch_ddp' and 'gradient_handler'")
     _check_combinations(checker, config)
     return notes
+
+
+def load_config(config: Union[str, Path, dict, Config, None]) -> Config:
+    """A path to a ``.py`` file, a dict or a Config -> a validated ``Config``."""
+    if config is None:
+        config = Config()
+    elif isinstance(config, (str, Path)):
+        config = Config.from_file(config)
+    elif isinstance(config, dict):
+        config = Config(config)
+    else:
+        raise TypeError(f"config must be a path to a .py file, a dict or a Config, got {type(config).__name__}")
+    validate_config(config)
+    return config
 
 
 def _meant_key(key: str) -> Optional[str]:
