@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 from .context.batch_size import resolve_batch_sizes
+from .context.defaults import DEFAULTS
 from .context.validation import load_config
 from .core.global_context import destroy_group_at_exit
 from .core.global_context import global_context as gpc
 from .logging import get_dist_logger
 
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = float(DEFAULTS["dist_timeout"])
 
 
 def get_default_parser() -> argparse.ArgumentParser:
