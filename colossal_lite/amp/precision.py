@@ -17,6 +17,7 @@ from torch import nn
 from ..context.config import ConfigException
 from ..context.defaults import NAIVE_AMP_OPTIONS, TORCH_AMP_OPTIONS
 from ..context.validation import normalize_amp_mode
+from ..core.tree import map_leaves
 from .amp_type import AMP_TYPE
 
 _TORCH = TORCH_AMP_OPTIONS  # the defaults of each mode's options, written once in context/defaults.py
@@ -203,14 +204,9 @@ class DynamicGradScaler:
 
 
 def _cast_floats(obj, dtype):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, (list, tuple)):
-        cast = [_cast_floats(o, dtype) for o in obj]
-        return type(obj)(*cast) if hasattr(obj, "_fields") else type(obj)(cast)
-    if isinstance(obj, dict):
-        return type(obj)((k, _cast_floats(v, dtype)) for k, v in obj.items())
-    return obj
+    """``obj`` with its floating-point tensors (inside lists, tuples and dicts too) cast to ``dtype``."""
+    return map_leaves(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                      and t.dtype != dtype else t, obj)
 
 
 class NaiveAMPPrecision(FP32Precision):
