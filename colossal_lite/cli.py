@@ -2,49 +2,23 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import platform
 import sys
-from typing import Callable, List, Optional
+import warnings
+from typing import List, Optional
 
 import torch
 
 from ._version import __version__
+from .checkpoint import cli as ckpt_cli
+from .context.batch_size import resolve_batch_sizes
+from .context.config import ConfigException
+from .context.features import describe_features
+from .context.validation import load_config
+from .pipe_exit import BROKEN_PIPE_STATUS, quiet_on_broken_pipe
 
-# A reader that stops early (``colossal-lite ckpt info DIR | head -1``) closes the pipe. The command then
-# stops quietly with the status a shell gives any tool stopped by SIGPIPE (128 + 13), as ``cat`` or ``grep``
-# would: a script with ``set -o pipefail`` sees the same as for them, and no caller mistakes the cut-short
-# output for a complete one (status 0 would claim it was all delivered).
-BROKEN_PIPE_STATUS = 141
-
-
-def _stdout_to_devnull() -> None:
-    """Point stdout at the null device, so that the interpreter's last flush at exit has nowhere to fail."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):  # not a real file (an in-process capture): nothing is flushed at exit
-        pass
-
-
-def quiet_on_broken_pipe(main_fn: Callable[[Optional[List[str]]], int]) -> Callable[[Optional[List[str]]], int]:
-    """Wrap a command's ``main(argv)``: a reader that closed stdout early ends it with ``BROKEN_PIPE_STATUS``
-    and no traceback. Output still in the buffer is flushed here, where the error can be caught."""
-    @functools.wraps(main_fn)
-    def main(argv: Optional[List[str]] = None) -> int:
-        try:
-            try:
-                return main_fn(argv)
-            finally:  # also after ``--help`` or ``--version``, which end in SystemExit
-                sys.stdout.flush()
-        except BrokenPipeError:
-            _stdout_to_devnull()
-            return BROKEN_PIPE_STATUS
-
-    return main
-
+__all__ = ["main", "version_text", "quiet_on_broken_pipe", "BROKEN_PIPE_STATUS"]
 
 def version_text() -> str:
     """``colossal_lite 0.1.0 (torch 2.6.0, Python 3.11.7)``."""
@@ -78,14 +52,7 @@ def _info() -> int:
 
 
 def _check(path: str, world_size: int = 1) -> int:
-    from .context.batch_size import resolve_batch_sizes
-    from .context.config import ConfigException
-    from .context.features import describe_features
-    from .launch import load_config
-
     try:
-        import warnings
-
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             config = load_config(path)
@@ -115,8 +82,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("config", help="path to a config .py file")
     p.add_argument("--world-size", type=int, default=1,
                    help="data-parallel size to check the batch-size arithmetic against (default 1)")
-    from .checkpoint import cli as ckpt_cli  # here: checkpoint.cli imports this module (quiet_on_broken_pipe)
-
     ckpt_cli.register(sub)
     args = parser.parse_args(argv)
     if args.command == "info":

@@ -13,12 +13,15 @@ from torch import nn
 
 from .amp.precision import build_precision
 from .context.config import Config
+from .context.defaults import GRADIENT_BUCKET_MB, setting
 from .context.features import describe_features
 from .core.global_context import global_context as gpc
 from .engine.accumulation import AccumulationDataLoader, AccumulationWindow
+from .engine.auto_batch import AutoMicroBatcher
 from .engine.engine import Engine, EngineLRScheduler
 from .engine.schedule import NonPipelineSchedule
 from .engine.strategy import AllReduceStrategy, DDPStrategy, SingleProcess, broadcast_module
+from .engine.zero import FSDPStrategy, ZeroStage1Strategy
 from .launch import get_default_parser, launch, launch_from_openmpi, launch_from_slurm, launch_from_torch
 from .logging import get_dist_logger
 
@@ -79,7 +82,7 @@ def _check_micro_batch_size(config, loader, world_size: int):
     real = _loader_batch_size(loader) if micro is not None else None
     if real is None or real == micro:
         return
-    accum = config.get("gradient_accumulation", 1) or 1
+    accum = setting(config, "gradient_accumulation") or 1
     where = config._where("micro_batch_size") if isinstance(config, Config) else "<dict config>"
     # 'auto' starts each batch whole, so a step is one loader batch per rank until memory runs out
     steps = [] if accum == "auto" else [accum]
@@ -129,8 +132,6 @@ def _build_optimizer(optimizer, model: nn.Module) -> torch.optim.Optimizer:
 def _build_strategy(config, world_size: int, precision):
     zero = config.get("zero")
     if zero:
-        from .engine.zero import FSDPStrategy, ZeroStage1Strategy
-
         if zero["stage"] == 1:
             return ZeroStage1Strategy(**dict(config.get("torch_ddp") or {}))
         return FSDPStrategy(stage=zero["stage"], shard_modules=zero.get("shard_modules"),
@@ -143,7 +144,7 @@ def _build_strategy(config, world_size: int, precision):
     if handlers is not None:
         if not handlers:
             return SingleProcess()  # an explicit empty list: the user syncs gradients themselves
-        bucket = handlers[0].get("bucket_size_mb", 25.0)
+        bucket = handlers[0].get("bucket_size_mb", GRADIENT_BUCKET_MB)
         return AllReduceStrategy(bucket_size_mb=bucket)
     return DDPStrategy(**dict(config.get("torch_ddp") or {}))
 
@@ -193,8 +194,8 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     _check_micro_batch_size(config, train_dataloader, world_size)
     model = _build_model(model)
 
-    torch.backends.cudnn.benchmark = bool(config.get("cudnn_benchmark", False))
-    torch.backends.cudnn.deterministic = bool(config.get("cudnn_deterministic", False))
+    torch.backends.cudnn.benchmark = bool(setting(config, "cudnn_benchmark"))
+    torch.backends.cudnn.deterministic = bool(setting(config, "cudnn_deterministic"))
 
     device = gpc.device
     model = model.to(device)
@@ -203,18 +204,16 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
 
     model, optimizer, precision, strategy = _compose(config, model, optimizer, world_size)
     compile_cfg = config.get("compile")
-    accumulation = config.get("gradient_accumulation", 1) or 1
+    accumulation = setting(config, "gradient_accumulation") or 1
     auto = accumulation == "auto"
     window = AccumulationWindow(1 if auto else accumulation)
     engine = Engine(model=model, optimizer=optimizer, criterion=criterion, precision=precision, strategy=strategy,
-                    window=window, clip_grad_norm=config.get("clip_grad_norm", 0.0),
+                    window=window, clip_grad_norm=setting(config, "clip_grad_norm"),
                     schedule=NonPipelineSchedule(data_process_func), device=device,
-                    grad_reduction=config.get("grad_reduction", "mean"), compiled=bool(compile_cfg),
-                    nonfinite_loss=config.get("nonfinite_loss", "raise"))
+                    grad_reduction=setting(config, "grad_reduction"), compiled=bool(compile_cfg),
+                    nonfinite_loss=setting(config, "nonfinite_loss"))
     gpc._engines.add(engine)
     if auto:
-        from .engine.auto_batch import AutoMicroBatcher
-
         engine.auto_batcher = AutoMicroBatcher(logger)
     if train_dataloader is not None:
         train_dataloader = AccumulationDataLoader(train_dataloader, window)

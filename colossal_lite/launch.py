@@ -10,20 +10,19 @@ import os
 import signal
 import time
 import uuid
-from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .context.batch_size import resolve_batch_sizes
-from .context.config import Config
-from .context.validation import validate_config
+from .context.defaults import DEFAULTS
+from .context.validation import load_config
 from .core.global_context import destroy_group_at_exit
 from .core.global_context import global_context as gpc
 from .logging import get_dist_logger
 
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = float(DEFAULTS["dist_timeout"])
 
 
 def get_default_parser() -> argparse.ArgumentParser:
@@ -37,20 +36,6 @@ def get_default_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local_rank", type=int, help="local rank on the node")
     parser.add_argument("--backend", type=str, default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
     return parser
-
-
-def load_config(config: Union[str, Path, dict, Config, None]) -> Config:
-    """A path to a ``.py`` file, a dict or a Config -> a validated ``Config``."""
-    if config is None:
-        config = Config()
-    elif isinstance(config, (str, Path)):
-        config = Config.from_file(config)
-    elif isinstance(config, dict):
-        config = Config(config)
-    else:
-        raise TypeError(f"config must be a path to a .py file, a dict or a Config, got {type(config).__name__}")
-    validate_config(config)
-    return config
 
 
 def _init_method(host: str, port: int) -> str:

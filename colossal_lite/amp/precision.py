@@ -14,7 +14,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..context.config import ConfigException
+from ..context.defaults import NAIVE_AMP_OPTIONS, TORCH_AMP_OPTIONS
+from ..context.validation import normalize_amp_mode
+from ..core.tree import map_leaves
 from .amp_type import AMP_TYPE
+
+_TORCH = TORCH_AMP_OPTIONS  # the defaults of each mode's options, written once in context/defaults.py
+_NAIVE = NAIVE_AMP_OPTIONS
 
 NULL_CONTEXT = contextlib.nullcontext()  # reusable; no allocation per step
 
@@ -98,8 +105,9 @@ class TorchAMPPrecision(FP32Precision):
     name = "torch_amp"
     compute_dtype = torch.float16
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True):
+    def __init__(self, init_scale: float = _TORCH["init_scale"], growth_factor: float = _TORCH["growth_factor"],
+                 backoff_factor: float = _TORCH["backoff_factor"], growth_interval: int = _TORCH["growth_interval"],
+                 enabled: bool = _TORCH["enabled"]):
         self.options = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                             growth_interval=growth_interval, enabled=enabled)
         self.device_type = "cpu"
@@ -155,9 +163,10 @@ class TorchAMPPrecision(FP32Precision):
 class DynamicGradScaler:
     """Loss scale for naive fp16: back off after ``hysteresis`` overflows, grow after ``growth_interval`` good steps."""
 
-    def __init__(self, initial_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 1000, min_scale: Optional[float] = None, max_scale: Optional[float] = None,
-                 hysteresis: int = 2, dynamic: bool = True):
+    def __init__(self, initial_scale: float = _NAIVE["initial_scale"], growth_factor: float = _NAIVE["growth_factor"],
+                 backoff_factor: float = _NAIVE["backoff_factor"], growth_interval: int = _NAIVE["growth_interval"],
+                 min_scale: Optional[float] = _NAIVE["min_scale"], max_scale: Optional[float] = _NAIVE["max_scale"],
+                 hysteresis: int = _NAIVE["hysteresis"], dynamic: bool = _NAIVE["dynamic_grad_scale"]):
         self.scale = float(initial_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
@@ -195,14 +204,9 @@ class DynamicGradScaler:
 
 
 def _cast_floats(obj, dtype):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, (list, tuple)):
-        cast = [_cast_floats(o, dtype) for o in obj]
-        return type(obj)(*cast) if hasattr(obj, "_fields") else type(obj)(cast)
-    if isinstance(obj, dict):
-        return type(obj)((k, _cast_floats(v, dtype)) for k, v in obj.items())
-    return obj
+    """``obj`` with its floating-point tensors (inside lists, tuples and dicts too) cast to ``dtype``."""
+    return map_leaves(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                      and t.dtype != dtype else t, obj)
 
 
 class NaiveAMPPrecision(FP32Precision):
@@ -212,9 +216,11 @@ class NaiveAMPPrecision(FP32Precision):
     name = "naive_amp"
     skips_nonfinite_steps = True  # an overflow (inf/nan gradient) skips the update and backs the scale off
 
-    def __init__(self, initial_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 1000, hysteresis: int = 2, min_scale: Optional[float] = None,
-                 max_scale: Optional[float] = None, dynamic_grad_scale: bool = True, verbose: bool = False):
+    def __init__(self, initial_scale: float = _NAIVE["initial_scale"], growth_factor: float = _NAIVE["growth_factor"],
+                 backoff_factor: float = _NAIVE["backoff_factor"], growth_interval: int = _NAIVE["growth_interval"],
+                 hysteresis: int = _NAIVE["hysteresis"], min_scale: Optional[float] = _NAIVE["min_scale"],
+                 max_scale: Optional[float] = _NAIVE["max_scale"], dynamic_grad_scale: bool = _NAIVE["dynamic_grad_scale"],
+                 verbose: bool = _NAIVE["verbose"]):
         self.scaler = DynamicGradScaler(initial_scale, growth_factor, backoff_factor, growth_interval, min_scale,
                                         max_scale, hysteresis, dynamic=dynamic_grad_scale)
         self._pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (fp16 model param, fp32 master)
@@ -306,8 +312,6 @@ class NaiveAMPPrecision(FP32Precision):
 
 def build_precision(fp16_config) -> FP32Precision:
     """The precision plugin for a config's ``fp16`` entry (None or mode None -> fp32)."""
-    from ..context.validation import normalize_amp_mode
-
     if not fp16_config:
         return FP32Precision()
     options = {k: v for k, v in dict(fp16_config).items() if k != "mode"}
@@ -316,7 +320,5 @@ def build_precision(fp16_config) -> FP32Precision:
         return FP32Precision()
     cls = {AMP_TYPE.TORCH: TorchAMPPrecision, AMP_TYPE.BF16: BF16Precision, AMP_TYPE.NAIVE: NaiveAMPPrecision}.get(mode)
     if cls is None:
-        from ..context.config import ConfigException
-
         raise ConfigException(f"fp16 mode {mode} is not supported; use AMP_TYPE.TORCH, BF16 or NAIVE")
     return cls(**options)

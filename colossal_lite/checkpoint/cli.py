@@ -10,8 +10,19 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ..cli import quiet_on_broken_pipe
-from .io import format_bytes
+from ..pipe_exit import quiet_on_broken_pipe
+from .io import CheckpointError, atomic_save, format_bytes, load_single_file, tensor_bytes
+from .manager import (
+    checkpoint_info,
+    has_sharded_state,
+    is_single_file,
+    load_shared,
+    merge_sharded,
+    model_state_from,
+    resolve_path,
+)
+from .manager import merge_checkpoint as merged_content
+from .model_state import strip_prefix
 
 DESCRIPTION = "Inspect a checkpoint, export its model weights, or merge a sharded one into one file."
 
@@ -77,17 +88,11 @@ def format_info(info: Dict[str, Any]) -> str:
 
 
 def _info(path: str) -> int:
-    from .manager import checkpoint_info
-
     print(format_info(checkpoint_info(path)))
     return 0
 
 
 def _export(path: str, out: str) -> int:
-    from ..utils.checkpointing import _strip_prefix
-    from .io import atomic_save, load_single_file, tensor_bytes
-    from .manager import has_sharded_state, is_single_file, load_shared, merge_sharded, model_state_from, resolve_path
-
     p = Path(path)
     if is_single_file(p):
         state = load_single_file(p)
@@ -98,7 +103,7 @@ def _export(path: str, out: str) -> int:
         state = load_shared(folder)
         if has_sharded_state(folder) and "model" not in (state.get("engine") or {}):
             state = {"model": merge_sharded(folder)["model"]}  # a zero stage 2/3 checkpoint: its shards, merged
-    weights = _strip_prefix(dict(model_state_from(state)))
+    weights = strip_prefix(dict(model_state_from(state)))
     atomic_save(weights, out)
     print(f"wrote {len(weights)} tensors ({format_bytes(tensor_bytes(weights))}) to {out}; load them with "
           f"model.load_state_dict(torch.load({str(out)!r}, weights_only=True))")
@@ -107,17 +112,12 @@ def _export(path: str, out: str) -> int:
 
 def merge_checkpoint(path, out) -> dict:
     """Write the sharded checkpoint ``path`` names as one file ``out`` (see ``merged.py``); returns its content."""
-    from .io import atomic_save
-    from .manager import merge_checkpoint as merged_content
-
     state = merged_content(path)
     atomic_save(state, out)
     return state
 
 
 def _merge(path: str, out: str) -> int:
-    from .io import tensor_bytes
-
     state = merge_checkpoint(path, out)
     print(f"wrote {out}: {len(state['engine']['model'])} model tensors, {format_bytes(tensor_bytes(state))} in all; "
           f"resume from it with any number of ranks and any zero stage (fit(resume_from={str(out)!r}) or "
@@ -127,8 +127,6 @@ def _merge(path: str, out: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the parsed ``ckpt`` command; prints a one-line error and returns 1 when it fails."""
-    from .io import CheckpointError
-
     try:
         if args.ckpt_command == "info":
             return _info(args.path)

@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
+from ..core.tree import iter_leaves
+
 PathLike = Union[str, "os.PathLike[str]"]
 
 TMP_PREFIX = ".tmp-"  # an unfinished write; removed (or ignored) later
@@ -160,13 +162,7 @@ def to_jsonable(obj: Any, depth: int = 0) -> Any:
 
 def tensor_bytes(obj: Any) -> int:
     """Bytes of tensor data inside ``obj`` (nested containers walked)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
+    return sum(t.numel() * t.element_size() for t in iter_leaves(obj) if isinstance(t, torch.Tensor))
 
 
 # -- fsync helpers -------------------------------------------------------------------------------

@@ -32,6 +32,9 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .._version import __version__
+from ..core import dist as cl_dist
+from ..core.global_context import global_context as gpc
 from .io import (
     DEL_PREFIX,
     TMP_PREFIX,
@@ -42,6 +45,7 @@ from .io import (
     PathLike,
     UnsafeCheckpointError,
     _describe_os_error,
+    atomic_write_text,
     file_checksum,
     fsync_dir,
     load_file,
@@ -87,11 +91,9 @@ class _Ranks:
     """The ranks of the default process group (one process: no collectives)."""
 
     def __init__(self):
-        from ..core.global_context import global_context as gpc
-
-        self.rank = gpc.get_global_rank()
-        self.world_size = gpc.get_world_size()
-        self.distributed = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        self.rank = cl_dist.rank()
+        self.world_size = cl_dist.world_size()
+        self.distributed = self.world_size > 1
 
     def all_gather(self, obj) -> list:
         if not self.distributed:
@@ -101,11 +103,7 @@ class _Ranks:
         return out
 
     def broadcast(self, obj):
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return cl_dist.broadcast_object(obj)
 
     def failures(self, error: Optional[BaseException], payload: Any = None) -> Tuple[list, list]:
         """``([(rank, (kind, message)) of each rank that failed], [every rank's payload])``. A collective."""
@@ -513,8 +511,6 @@ class CheckpointManager:
 
     def _commit(self, tmp: Path, target: Path, shared: Dict[str, Any], metrics: Dict[str, Any],
                 epoch: Optional[int], step: Optional[int], config: Any, checksums: Dict[str, str]) -> None:
-        from .._version import __version__
-
         files = {}
         for fname in [SHARED_FILE] + [rank_file(r) for r in range(self._ranks.world_size)]:
             p = tmp / fname
@@ -526,8 +522,6 @@ class CheckpointManager:
             for p in sorted((tmp / SHARDED_DIR).iterdir()):
                 files[f"{SHARDED_DIR}/{p.name}"] = p.stat().st_size
         if config is _DEFAULT:
-            from ..core.global_context import global_context as gpc
-
             config = gpc.config
         metas = self._metas()
         meta = {
@@ -771,8 +765,6 @@ def is_single_file(path: PathLike) -> bool:
 
 
 def _write_pointer(pointer: Path, name: str) -> None:
-    from .io import atomic_write_text
-
     atomic_write_text(pointer, name + "\n")
 
 

@@ -154,6 +154,21 @@ def load_config_file(filename) -> Config:
     The config may import sibling files from its folder; neither the config's module nor
     those siblings linger in ``sys.modules``, and ``sys.path`` is restored.
     """
+    path = _config_path(filename)
+    tree = _parse(path)
+    module = _execute_isolated(tree, path)
+    values: Dict[str, Any] = {}
+    for name, value in module.__dict__.items():
+        if name.startswith("_") or inspect.ismodule(value) or inspect.isclass(value):
+            continue
+        values[name] = value
+    config = Config(values)
+    object.__setattr__(config, "_source", ConfigSource(path, _key_lines(tree)))
+    return config
+
+
+def _config_path(filename) -> Path:
+    """The absolute path of an existing ``.py`` file, or a ``ConfigException`` saying what ``filename`` is instead."""
     if not isinstance(filename, (str, Path)):
         raise TypeError(f"config path must be a str or pathlib.Path, got {type(filename).__name__}")
     path = Path(filename).expanduser()
@@ -163,33 +178,32 @@ def load_config_file(filename) -> Config:
         raise ConfigException(f"Config path is a folder, not a file: {path}")
     if path.suffix != ".py":
         raise ConfigException(f"Config file must be a Python file ending in .py: {path} (got '{path.suffix or 'no suffix'}')")
-    path = path.resolve()
+    return path.resolve()
+
+
+def _parse(path: Path) -> ast.Module:
     source = path.read_text(encoding="utf-8")
     try:
-        tree = ast.parse(source, filename=str(path))
+        return ast.parse(source, filename=str(path))
     except SyntaxError as e:
         raise ConfigException(f"{path}:{e.lineno}: syntax error in config: {e.msg}\n    {(e.text or '').rstrip()}") from None
 
+
+def _execute_isolated(tree: ast.Module, path: Path) -> types.ModuleType:
+    """The config run as a module of its own, with its folder importable while it runs and forgotten after."""
     module_name = f"_colossal_lite_config_{uuid.uuid4().hex}"
     module = types.ModuleType(module_name)
     module.__file__ = str(path)
-    folder = str(path.parent)
     modules_before = set(sys.modules)
     path_before = list(sys.path)
-    sys.path.insert(0, folder)
+    sys.path.insert(0, str(path.parent))
     sys.modules[module_name] = module
     try:
-        code = compile(tree, str(path), "exec")
-        exec(code, module.__dict__)
+        exec(compile(tree, str(path), "exec"), module.__dict__)
     except ConfigException:
         raise
     except Exception as e:  # the user's config raised: point at its line
-        tb = e.__traceback__
-        line = None
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == str(path):
-                line = tb.tb_lineno
-            tb = tb.tb_next
+        line = _line_in(e, path)
         where = f"{path}:{line}" if line else str(path)
         raise ConfigException(f"{where}: error while executing config: {type(e).__name__}: {e}") from e
     finally:
@@ -200,12 +214,15 @@ def load_config_file(filename) -> Config:
                      and _found_in(sys.modules.get(n.partition(".")[0]), path.parent)]:
             sys.modules.pop(name, None)
         sys.path[:] = path_before
+    return module
 
-    values: Dict[str, Any] = {}
-    for name, value in module.__dict__.items():
-        if name.startswith("_") or inspect.ismodule(value) or inspect.isclass(value):
-            continue
-        values[name] = value
-    config = Config(values)
-    object.__setattr__(config, "_source", ConfigSource(path, _key_lines(tree)))
-    return config
+
+def _line_in(error: BaseException, path: Path) -> Optional[int]:
+    """The last line of the file ``path`` in ``error``'s traceback (the config's line that raised), if any."""
+    line = None
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == str(path):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import List, Optional
 
 from ..amp.amp_type import AMP_TYPE
-from .validation import NAIVE_AMP_OPTIONS, TORCH_AMP_OPTIONS, normalize_amp_mode
+from .defaults import NAIVE_AMP_OPTIONS, TORCH_AMP_OPTIONS, setting
+from .validation import normalize_amp_mode
 
 
 def _fmt(options: dict) -> str:
@@ -17,7 +18,7 @@ def _fmt(options: dict) -> str:
 def describe_features(config: dict, world_size: Optional[int] = None) -> List[str]:
     """One line per feature: precision, accumulation, clipping, data parallel, ZeRO, non-finite loss, cuDNN."""
     lines = [_precision_line(config)]
-    accum = config.get("gradient_accumulation", 1)
+    accum = setting(config, "gradient_accumulation")
     if accum == "auto":
         lines.append("gradient accumulation: automatic (split a batch into more micro-batches when it runs out of memory)")
     elif accum and accum > 1:
@@ -29,7 +30,7 @@ def describe_features(config: dict, world_size: Optional[int] = None) -> List[st
     for key in ("micro_batch_size", "global_batch_size"):
         if key in config:
             lines.append(f"{key.replace('_', ' ')}: {config[key]}")
-    clip = config.get("clip_grad_norm", 0.0)
+    clip = setting(config, "clip_grad_norm")
     lines.append(f"gradient clipping: global L2 norm clipped to {clip:g}" if clip else "gradient clipping: off")
     lines.append(_data_parallel_line(config, world_size))
     red = config.get("grad_reduction")
@@ -38,7 +39,7 @@ def describe_features(config: dict, world_size: Optional[int] = None) -> List[st
                 "sum": "sum over micro-batches and ranks",
                 "per-token-mean": "mean over every real token of the global batch (criterion returns (loss_sum, tokens))"}
         lines.append(f"gradient reduction: {what[red]}")
-    nonfinite = config.get("nonfinite_loss", "raise")
+    nonfinite = setting(config, "nonfinite_loss")
     if nonfinite != "raise":
         what = {"skip": "an optimizer update whose window had an inf/NaN loss is skipped (one host read per update)",
                 "ignore": "not checked (an inf/NaN loss is applied like any other)"}
@@ -46,8 +47,8 @@ def describe_features(config: dict, world_size: Optional[int] = None) -> List[st
     comp = config.get("compile")
     if comp:
         lines.append(f"compile: torch.compile({'' if comp is True else _fmt(comp)})")
-    lines.append(f"cuDNN: benchmark={bool(config.get('cudnn_benchmark', False))}, "
-                 f"deterministic={bool(config.get('cudnn_deterministic', False))}")
+    lines.append(f"cuDNN: benchmark={bool(setting(config, 'cudnn_benchmark'))}, "
+                 f"deterministic={bool(setting(config, 'cudnn_deterministic'))}")
     return lines
 
 

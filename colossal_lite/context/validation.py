@@ -9,21 +9,15 @@ import difflib
 import inspect
 import numbers
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from pathlib import Path
+from typing import Callable, List, Optional, Union
 
 from ..amp.amp_type import AMP_TYPE
 from ..logging import get_dist_logger
 from .config import Config, ConfigException
+from .defaults import BF16_OPTIONS, DEFAULTS, NAIVE_AMP_OPTIONS, TORCH_AMP_OPTIONS, ZERO_OPTIONS
 from .hints import amp_mode_meant, as_bool, as_choice, as_number, as_positive_int, as_positive_number, as_seconds, py
 
-# Options each precision mode accepts, with their defaults.
-TORCH_AMP_OPTIONS = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, enabled=True)
-NAIVE_AMP_OPTIONS = dict(
-    initial_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000, hysteresis=2,
-    min_scale=None, max_scale=None, dynamic_grad_scale=True, verbose=False,
-)
-BF16_OPTIONS: Dict[str, Any] = {}
-ZERO_OPTIONS = dict(stage=None, offload_optimizer=False, shard_modules=None, reshard_after_forward=None)
 # Older Colossal-AI examples write zero = dict(level=2, cpu_offload=True, verbose=False): today's name of each
 # (None: the key has no effect and is dropped).
 LEGACY_ZERO_KEYS = dict(level="stage", cpu_offload="offload_optimizer", verbose=None)
@@ -86,11 +80,11 @@ class _Checker:
         if mode is AMP_TYPE.TORCH and "growth_factor" in value and value["growth_factor"] <= 1:
             v = value["growth_factor"]
             self.fail(("fp16", "growth_factor"), "must be > 1 (the loss scale is multiplied by it)",
-                      f"write growth_factor={py(round(1 / v, 4)) if 0 < v < 1 else 2.0}")
+                      f"write growth_factor={py(round(1 / v, 4)) if 0 < v < 1 else options['growth_factor']}")
         if "backoff_factor" in value and not 0 < value["backoff_factor"] < 1:
             v = value["backoff_factor"]
             self.fail(("fp16", "backoff_factor"), "must be between 0 and 1 (the loss scale is multiplied by it)",
-                      f"write backoff_factor={py(round(1 / v, 4)) if v > 1 else 0.5}")
+                      f"write backoff_factor={py(round(1 / v, 4)) if v > 1 else options['backoff_factor']}")
 
     def _unknown_amp_option(self, mode, opt, options):
         accepted = ", ".join(options) or "no options"
@@ -231,7 +225,7 @@ class _Checker:
 
     def dist_timeout(self, value):
         if not _is_number(value) or value <= 0:
-            self.fail(("dist_timeout",), f"expected seconds > 0, got {value!r}", _write("dist_timeout", as_seconds(value), 300))
+            self.fail(("dist_timeout",), f"expected seconds > 0, got {value!r}", _write("dist_timeout", as_seconds(value), DEFAULTS["dist_timeout"]))
 
     def _positive_int(self, key, value):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -248,7 +242,7 @@ class _Checker:
         if value not in choices:
             meant = as_choice(value, choices, {"avg": "mean", "average": "mean", "token-mean": "per-token-mean"})
             self.fail(("grad_reduction",), f"expected 'mean', 'sum' or 'per-token-mean', got {value!r}",
-                      _write("grad_reduction", meant, "mean"))
+                      _write("grad_reduction", meant, DEFAULTS["grad_reduction"]))
 
     def nonfinite_loss(self, value):
         choices = ("raise", "skip", "ignore")
@@ -256,7 +250,7 @@ class _Checker:
             meant = as_choice(value, choices, {"error": "raise", "fail": "raise", "stop": "raise", "skip-step": "skip",
                                                "none": "ignore", "off": "ignore"})
             self.fail(("nonfinite_loss",), f"expected 'raise', 'skip' or 'ignore' (what to do when a loss is inf or "
-                      f"NaN), got {value!r}", _write("nonfinite_loss", meant, "raise"))
+                      f"NaN), got {value!r}", _write("nonfinite_loss", meant, DEFAULTS["nonfinite_loss"]))
 
     def compile(self, value):
         if _is_bool(value):
@@ -370,6 +364,20 @@ def validate_config(config: Config) -> List[str]:
                      "remove one of 'torch_ddp' and 'gradient_handler'")
     _check_combinations(checker, config)
     return notes
+
+
+def load_config(config: Union[str, Path, dict, Config, None]) -> Config:
+    """A path to a ``.py`` file, a dict or a Config -> a validated ``Config``."""
+    if config is None:
+        config = Config()
+    elif isinstance(config, (str, Path)):
+        config = Config.from_file(config)
+    elif isinstance(config, dict):
+        config = Config(config)
+    else:
+        raise TypeError(f"config must be a path to a .py file, a dict or a Config, got {type(config).__name__}")
+    validate_config(config)
+    return config
 
 
 def _meant_key(key: str) -> Optional[str]:

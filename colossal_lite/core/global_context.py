@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..context.config import Config
 from ..context.parallel_mode import DATA_MODES, ParallelMode
+from ..context.validation import load_config
 
 
 def _dist_ready() -> bool:
@@ -43,8 +44,7 @@ class GlobalContext:
         return self._config
 
     def load_config(self, config):
-        from ..launch import load_config  # a path, dict or Config, validated
-
+        """``config`` (a path to a ``.py`` file, a dict or a Config) validated, as this process's config."""
         self._config = load_config(config)
         return self._config
 

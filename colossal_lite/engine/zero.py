@@ -12,9 +12,10 @@ import platform
 from typing import List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint.model_state import check_model_state
+from ..core.dist import broadcast_object, is_rank_0
 from .strategy import DDPStrategy, SingleProcess
 
 # glibc mallopt parameters (malloc.h) and the size from which freed host memory goes straight back to the system
@@ -125,9 +126,7 @@ class ZeroStage1Strategy(DDPStrategy):
     def optimizer_state_dict(self, model, optimizer) -> dict:
         """The whole optimizer state, gathered from the shards and sent to every rank (a collective)."""
         optimizer.consolidate_state_dict(to=0)
-        state = [optimizer.state_dict() if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(state, src=0)
-        return state[0]
+        return broadcast_object(optimizer.state_dict() if is_rank_0() else None)
 
 
 def default_shard_modules(model: nn.Module) -> List[nn.Module]:
@@ -240,8 +239,6 @@ class FSDPStrategy(SingleProcess):
 
     def load_model_state_dict(self, model, state, strict=True):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        from ..utils.checkpointing import check_model_state
 
         check_model_state(model.state_dict(), state, strict)  # DTensors report their global shapes
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))

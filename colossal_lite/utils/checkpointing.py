@@ -1,5 +1,7 @@
-"""Model state loading with a readable report of what does not match, and the legacy
-``save_checkpoint``/``load_checkpoint`` single-file API (optimizer and scheduler state included)."""
+"""The legacy ``save_checkpoint``/``load_checkpoint`` single-file API (optimizer and scheduler state included).
+
+``load_model_state`` and ``check_model_state`` (loading with a readable report of what does not match) live in
+``colossal_lite.checkpoint.model_state`` and stay importable from here."""
 from __future__ import annotations
 
 import warnings
@@ -9,7 +11,8 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from ..checkpoint.io import CheckpointError, load_single_file
+from .._version import __version__
+from ..checkpoint.io import CheckpointError, CheckpointWriteError, atomic_save, load_single_file
 from ..checkpoint.merged import (
     is_merged,
     keyed_by_name,
@@ -18,65 +21,13 @@ from ..checkpoint.merged import (
     optimizer_state_by_position,
     parameter_names,
 )
+from ..checkpoint.model_state import check_model_state, is_sharded, load_model_state, unwrap_module
+from ..core.dist import is_rank_0
 
-__all__ = ["load_model_state", "save_checkpoint", "load_checkpoint"]
-
-
-def _strip_prefix(state: Dict[str, torch.Tensor], prefix: str = "module.") -> Dict[str, torch.Tensor]:
-    if state and all(k.startswith(prefix) for k in state):
-        return {k[len(prefix):]: v for k, v in state.items()}
-    return state
-
-
-def check_model_state(own: Dict[str, torch.Tensor], state: Dict[str, torch.Tensor], strict: bool = True):
-    """Raise a ``RuntimeError`` listing missing/unexpected keys (with ``strict``) and shape mismatches.
-
-    ``own`` is the model's state dict (DTensors report their global shapes). Returns (missing, unexpected).
-    """
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-              for k in sorted(set(own) & set(state))
-              if isinstance(state[k], torch.Tensor) and tuple(state[k].shape) != tuple(own[k].shape)]
-    if shapes or (strict and (missing or unexpected)):
-        parts = []
-        if missing:
-            parts.append(f"missing keys ({len(missing)}): {', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}")
-        if unexpected:
-            parts.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected[:20])}"
-                         f"{' ...' if len(unexpected) > 20 else ''}")
-        if shapes:
-            parts.append(f"shape mismatches ({len(shapes)}): {'; '.join(shapes[:20])}")
-        raise RuntimeError("the checkpoint does not match the model:\n  " + "\n  ".join(parts))
-    return missing, unexpected
-
-
-def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], strict: bool = True):
-    """Load ``state`` (full tensors) into ``model`` (DDP ``module.`` prefixes ignored either way; a ZeRO
-    stage 2/3 model takes its shard of each tensor).
-
-    With ``strict``, a mismatch raises a ``RuntimeError`` listing missing and unexpected
-    keys and the shape mismatches.
-    """
-    model = _unwrap(model)
-    state = _strip_prefix(dict(state))
-    missing, unexpected = check_model_state(model.state_dict(), state, strict)
-    if _is_sharded(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-    else:
-        model.load_state_dict(state, strict=False)
-    return missing, unexpected
+__all__ = ["load_model_state", "check_model_state", "save_checkpoint", "load_checkpoint"]
 
 
 # -- legacy single-file checkpoints ----------------------------------------------------------------
-def _unwrap(model: nn.Module) -> nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
-
-
 _RESERVED = ("epoch", "model", "optimizer", "lr_scheduler", "colossal_lite")
 
 
@@ -90,16 +41,12 @@ def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torc
     The file is a plain dict, readable with ``torch.load(file, weights_only=True)``. Returns the
     path on rank 0, ``None`` elsewhere; call ``colossal_lite.utils.barrier()`` before other ranks read it.
     """
-    from .._version import __version__
-    from ..checkpoint.io import CheckpointWriteError, atomic_save
-    from ..core.global_context import global_context as gpc
-
     clash = sorted(set(kwargs) & set(_RESERVED))
     if clash:
         raise ValueError(f"save_checkpoint(**kwargs) cannot use the names {clash}: they hold the checkpoint itself")
-    if gpc.get_global_rank() != 0:
+    if not is_rank_0():
         return None
-    state: Dict[str, Any] = {"epoch": int(epoch), "model": _unwrap(model).state_dict()}
+    state: Dict[str, Any] = {"epoch": int(epoch), "model": unwrap_module(model).state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     if lr_scheduler is not None:
@@ -183,20 +130,13 @@ def _legacy_view(merged: Dict[str, Any]) -> Dict[str, Any]:
     return view
 
 
-def _is_sharded(model: nn.Module) -> bool:
-    """True for a model whose parameters are DTensors (ZeRO stage 2/3, FSDP2)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 def _load_optimizer(model: nn.Module, optimizer, state: Dict[str, Any]) -> None:
     """Full optimizer state into ``optimizer``: by parameter name for sharded parameters, else by position."""
-    if not _is_sharded(_unwrap(model)):
+    if not is_sharded(unwrap_module(model)):
         optimizer.load_state_dict(optimizer_state_by_position(state))
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     if not keyed_by_name(state):  # a file of an unsharded run: its parameters by position
-        state = optimizer_state_by_name(state, parameter_names(_unwrap(model), optimizer))
-    set_optimizer_state_dict(_unwrap(model), optimizer, state, options=StateDictOptions(full_state_dict=True))
+        state = optimizer_state_by_name(state, parameter_names(unwrap_module(model), optimizer))
+    set_optimizer_state_dict(unwrap_module(model), optimizer, state, options=StateDictOptions(full_state_dict=True))

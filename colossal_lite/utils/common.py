@@ -9,7 +9,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..context.parallel_mode import ParallelMode
+from ..core.dist import is_distributed, is_rank_0, log_rank_0, world_size
 from ..core.global_context import global_context as gpc
+from ..engine.strategy import broadcast_module, clip_grad_norm_
 
 
 def get_current_device() -> torch.device:
@@ -26,15 +28,14 @@ def free_port() -> int:
 
 def print_rank_0(msg, logger=None):
     """Print (or log) ``msg`` on global rank 0 only."""
-    if gpc.get_global_rank() == 0:
-        if logger is None:
-            print(msg, flush=True)
-        else:
-            logger.info(msg, ranks=[0])
+    if logger is not None:
+        log_rank_0(logger, msg)
+    elif is_rank_0():
+        print(msg, flush=True)
 
 
 def is_using_ddp() -> bool:
-    return gpc.get_world_size(ParallelMode.DATA) > 1
+    return world_size() > 1
 
 
 def is_using_pp() -> bool:
@@ -46,7 +47,7 @@ def is_using_sequence() -> bool:
 
 
 def is_dp_rank_0() -> bool:
-    return gpc.get_global_rank() == 0
+    return is_rank_0()
 
 
 def is_tp_rank_0() -> bool:
@@ -59,8 +60,6 @@ def is_no_pp_or_last_stage() -> bool:
 
 def sync_model_param(model: nn.Module, parallel_mode: ParallelMode = ParallelMode.DATA):
     """Broadcast parameters and buffers from rank 0 to every rank."""
-    from ..engine.strategy import broadcast_module
-
     broadcast_module(model)
 
 
@@ -70,13 +69,11 @@ def conditional_context(context_manager, enable: bool = True):
 
 def clip_grad_norm_fp32(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients to a global norm; returns the total norm as a device tensor."""
-    from ..engine.strategy import clip_grad_norm_
-
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     return clip_grad_norm_(parameters, max_norm, norm_type)
 
 
 def barrier():
-    if dist.is_initialized():
+    if is_distributed():
         dist.barrier()

@@ -8,6 +8,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
+from ..core import dist as cl_dist
 from ..core.global_context import global_context as gpc
 
 
@@ -29,8 +30,8 @@ class DataParallelSampler(Sampler):
     def __init__(self, dataset: Dataset, shuffle: bool = False, seed: int = 0, drop_last: bool = False,
                  num_replicas: Optional[int] = None, rank: Optional[int] = None):
         self.dataset = dataset
-        self.num_replicas = gpc.get_world_size() if num_replicas is None else num_replicas
-        self.rank = gpc.get_global_rank() if rank is None else rank
+        self.num_replicas = cl_dist.world_size() if num_replicas is None else num_replicas
+        self.rank = cl_dist.rank() if rank is None else rank
         if not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"rank {self.rank} is outside [0, {self.num_replicas})")
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
@@ -264,8 +265,8 @@ def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, ad
     micro = gpc.config.get("micro_batch_size") if gpc.config is not None else None
     if micro is not None and "batch_size" not in kwargs and "batch_sampler" not in kwargs:
         kwargs["batch_size"] = micro
-    rank = gpc.get_global_rank()
-    world_size = gpc.get_world_size()
+    rank = cl_dist.rank()
+    world_size = cl_dist.world_size()
     generator = torch.Generator()
     generator.manual_seed(seed + 104729 * rank)
     kwargs.setdefault("worker_init_fn", seed_worker)

@@ -10,28 +10,17 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 from ...context.parallel_mode import ParallelMode
+from ...core.dist import is_rank_0, log_rank_0  # log_rank_0 stays importable from here, where it used to live
 from ...core.global_context import global_context as gpc
-from ...logging import DistributedLogger, get_dist_logger
+from ...logging import get_dist_logger
 from ...utils.memory import report_memory_usage
 from ...utils.timer import MultiTimer
 from ..progress import format_number, to_number
 from ..time import Time
 from ._base_hook import BaseHook
-from ._utils import bind_interval, due_at_epoch_end, is_rank_0, make_interval
+from ._utils import bind_interval, due_at_epoch_end, make_interval
 
 __all__ = ["LogByEpochHook", "LogMetricByEpochHook", "TensorboardHook", "LogTimingByEpochHook", "LogMemoryByEpochHook"]
-
-
-def log_rank_0(logger, message: str) -> None:
-    """``logger.info(message)`` on rank 0 only (works for colossal_lite and standard loggers)."""
-    if not is_rank_0():
-        return
-    if logger is None:
-        logger = get_dist_logger()
-    if isinstance(logger, DistributedLogger):
-        logger.info(message, ranks=[0])
-    else:
-        logger.info(message)
 
 
 def metrics_line(metrics: dict) -> str:

@@ -14,9 +14,10 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from ...core.dist import all_reduce_sum_, world_size
 from ..progress import format_number, to_number
 from ._base_hook import BaseHook
-from ._utils import all_reduce_sum_, data_parallel_size, device_of, resolve_metric
+from ._utils import device_of, resolve_metric
 
 __all__ = ["Metric", "LossMetric", "AccuracyMetric", "LearningRateMetric", "ThroughputMetric", "MetricHook",
            "LossHook", "AccuracyHook", "LRSchedulerHook", "ThroughputHook", "LogMetricByStepHook"]
@@ -380,7 +381,7 @@ class ThroughputMetric(Metric):
     def update(self, num_samples: int, time: float) -> None:
         self._updates += 1
         if time > 0:
-            self._last = num_samples * data_parallel_size() / time
+            self._last = num_samples * world_size() / time
         if self._updates > self.ignored_steps:
             self._samples += num_samples
             self._time += time
@@ -397,7 +398,7 @@ class ThroughputMetric(Metric):
         return self._last
 
     def _compute_accumulated(self) -> float:
-        world = data_parallel_size()
+        world = world_size()
         if self.use_local:
             samples, mean_time = self._samples * world, self._time
         else:

@@ -1,30 +1,14 @@
-"""Helpers shared by the built-in hooks: rank checks, the data-parallel all-reduce, intervals."""
+"""Helpers shared by the built-in hooks: intervals, metric names, the engine's device.
+
+Rank tests and collectives live in ``colossal_lite.core.dist``."""
 from __future__ import annotations
 
 import difflib
 from typing import Tuple, Union
 
 import torch
-import torch.distributed as dist
 
-from ...context.parallel_mode import ParallelMode
-from ...core.global_context import global_context as gpc
 from ..time import Interval, Time, TimeUnit
-
-
-def is_rank_0() -> bool:
-    return gpc.get_global_rank() == 0
-
-
-def data_parallel_size() -> int:
-    return gpc.get_world_size(ParallelMode.DATA)
-
-
-def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over the data-parallel ranks in place. Every rank must call it."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=gpc.get_group(ParallelMode.DATA))
-    return tensor
 
 
 def make_interval(spec: Union[int, str, Time], owner: str) -> Interval:
