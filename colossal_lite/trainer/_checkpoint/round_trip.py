@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
 
 from ...checkpoint import CheckpointManager, checkpoint_name, to_plain
 from ...checkpoint.io import format_bytes
@@ -17,17 +18,20 @@ from .contents import name_epoch, trainer_checkpoint_state
 __all__ = ["checkpoint_round_trip"]
 
 
-def _same(a, b) -> bool:
+def _same_leaf(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
                 and a.shape == b.shape and torch.equal(a.cpu(), b.cpu()))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True  # NaN
     return a == b
+
+
+def _same(a, b) -> bool:
+    """The same nesting (container types and keys) with equal leaves: tensors of one dtype, shape and value."""
+    leaves_a, spec_a = tree_flatten(a)
+    leaves_b, spec_b = tree_flatten(b)
+    return spec_a == spec_b and all(_same_leaf(x, y) for x, y in zip(leaves_a, leaves_b))
 
 
 def _write_and_compare(trainer, folder: Path, train_loader):
