@@ -1,14 +1,15 @@
 """A batch on its way into the model: moved to the device, split into (data, label), spread into calls.
 
-Batches are tensors or nested lists, tuples (named too) and dicts of them; ``torch.utils._pytree``
-walks them.
+Batches are tensors or nested lists, tuples (named too) and dicts of them; ``core.tree`` walks them.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, List, Optional
 
 import torch
-from torch.utils import _pytree as pytree
+
+from ..core.tree import iter_leaves, map_leaves
 
 
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -26,12 +27,12 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
     """
     if type(obj) is tuple and len(obj) == 2 and all(type(t) is torch.Tensor and t.device == device for t in obj):
         return obj
-    return pytree.tree_map_only(torch.Tensor, lambda t: _to(t, device), obj)
+    return map_leaves(lambda leaf: _to(leaf, device) if isinstance(leaf, torch.Tensor) else leaf, obj)
 
 
 def first_tensor(obj: Any) -> Optional[torch.Tensor]:
     """The first tensor in ``obj`` (depth first), or None."""
-    return next((leaf for leaf in pytree.tree_leaves(obj) if isinstance(leaf, torch.Tensor)), None)
+    return next((leaf for leaf in iter_leaves(obj) if isinstance(leaf, torch.Tensor)), None)
 
 
 def batch_len(obj: Any) -> int:
@@ -45,10 +46,19 @@ def batch_len(obj: Any) -> int:
 
 def split_samples(obj: Any, parts: int, n: int) -> List[Any]:
     """``obj`` cut along dim 0 into ``parts`` pieces: every tensor with ``n`` rows is cut, anything else repeated."""
-    leaves, spec = pytree.tree_flatten(obj)
-    columns = [torch.tensor_split(leaf, parts) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
-               and leaf.shape[0] == n else [leaf] * parts for leaf in leaves]
-    return [pytree.tree_unflatten([col[i] for col in columns], spec) for i in range(parts)]
+    pieces = map_leaves(lambda leaf: _Pieces(leaf, parts, n), obj)
+    return [map_leaves(operator.itemgetter(i), pieces) for i in range(parts)]
+
+
+class _Pieces:
+    """A leaf cut into its micro-batch pieces (a leaf, not a container, so a walk takes it whole)."""
+
+    def __init__(self, leaf: Any, parts: int, n: int):
+        cut = isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == n
+        self.pieces = torch.tensor_split(leaf, parts) if cut else [leaf] * parts
+
+    def __getitem__(self, i: int) -> Any:
+        return self.pieces[i]
 
 
 def call_with(fn: Callable, args: Any, *extra):

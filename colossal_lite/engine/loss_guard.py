@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..core.dist import world_size
+
 __all__ = ["NonFiniteLossError", "IgnoreNonFinite", "RaiseOnNonFinite", "SkipNonFinite", "build_loss_guard",
            "NONFINITE_LOSS_CHOICES"]
 
@@ -28,10 +30,6 @@ NONFINITE_LOSS_CHOICES = ("raise", "skip", "ignore")
 
 class NonFiniteLossError(FloatingPointError):
     """The training loss was nan or inf (config ``nonfinite_loss='raise'``)."""
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class IgnoreNonFinite:
@@ -122,7 +120,7 @@ class RaiseOnNonFinite(IgnoreNonFinite):
 
     def check(self) -> None:
         """Raise ``NonFiniteLossError`` if any rank saw a non-finite loss (reads the device; a collective)."""
-        world = _world()
+        world = world_size()
         if not self._watched and world == 1:
             return
         found = self._first_bad_step()
@@ -170,7 +168,7 @@ class SkipNonFinite(IgnoreNonFinite):
     def allows_step(self) -> bool:
         total = self._window_sum
         ok = torch.ones((), dtype=torch.int64) if total is None else total.isfinite().to(torch.int64)
-        if _world() > 1:
+        if world_size() > 1:
             ok = ok.to(_collective_device())
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if bool(ok):  # the one host read per update that 'skip' costs

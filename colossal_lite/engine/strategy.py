@@ -14,11 +14,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..amp.precision import NULL_CONTEXT
+from ..checkpoint.model_state import load_model_state
+from ..core.dist import world_size
 
 
 def broadcast_module(module: nn.Module, src: int = 0):
     """Make every rank hold rank ``src``'s parameters and buffers."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if world_size() == 1:
         return
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
@@ -68,8 +70,6 @@ class SingleProcess:
         return self.unwrap(model).state_dict()
 
     def load_model_state_dict(self, model, state: dict, strict: bool = True):
-        from ..utils.checkpointing import load_model_state
-
         load_model_state(self.unwrap(model), state, strict=strict)
 
     def optimizer_state_dict(self, model, optimizer) -> dict:

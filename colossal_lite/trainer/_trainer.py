@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import signal
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -667,34 +667,68 @@ class Trainer:
             logger.error(result.message)
 
     # -- state ------------------------------------------------------------------------------------------
-    def _hook_keys(self) -> List[str]:
+    #: The checkpoint (a folder or a merged file's ``Path``) the run was last restored from: set by the restore
+    #: before ``on_load_checkpoint`` fires, so a hook can name it; None when nothing was restored.
+    restored_from = None
+
+    @property
+    def logger(self):
+        """The logger given to the Trainer (None: none was given)."""
+        return self._logger
+
+    @property
+    def checkpoints(self) -> Optional[CheckpointSession]:
+        """The checkpoints of the running ``fit`` (resume, saves at safe points, preemption); None outside it."""
+        return self._checkpoints
+
+    def keyed_hooks(self) -> List[Tuple[str, BaseHook]]:
+        """``(key, hook)`` for each attached hook; the key names its state in a checkpoint: class name and its
+        order among the hooks of that class (``'EarlyStoppingHook.0'``)."""
         seen: Dict[str, int] = {}
-        keys = []
+        keyed = []
         for hook in self.hooks:
             name = type(hook).__name__
-            keys.append(f"{name}.{seen.get(name, 0)}")
+            keyed.append((f"{name}.{seen.get(name, 0)}", hook))
             seen[name] = seen.get(name, 0) + 1
-        return keys
+        return keyed
+
+    def hook_key(self, hook: BaseHook) -> str:
+        """The key of an attached ``hook`` (see ``keyed_hooks``)."""
+        for key, attached in self.keyed_hooks():
+            if attached is hook:
+                return key
+        raise ValueError(f"{hook!r} is not attached to this trainer")
 
     def state_dict(self) -> Dict[str, Any]:
-        """Progress and the state of the hooks of the last run (keys like ``'EarlyStoppingHook.0'``)."""
+        """Progress and the ``state_dict()`` of each attached hook that has one (keys like ``'EarlyStoppingHook.0'``)."""
         hooks = {}
-        for key, hook in zip(self._hook_keys(), self.hooks):
+        for key, hook in self.keyed_hooks():
             state = hook.state_dict()
             if state:
                 hooks[key] = state
         return {"progress": self.state.state_dict(), "hooks": hooks}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore progress now; hook states are given to the hooks when the next ``fit`` attaches them."""
+        """Restore progress now. The hooks' states go to the attached hooks at once while ``fit`` runs (a
+        checkpoint it restores), else to the hooks the next ``fit`` attaches."""
         self.state.load_state_dict(state.get("progress", {}))
         self._step_from_epoch = False
-        self._pending_hook_states = dict(state.get("hooks", {})) or None
+        hooks = dict(state.get("hooks", {}))
+        self._pending_hook_states = None
+        if self.state.fitting:
+            self._load_hook_states(hooks)
+        elif hooks:
+            self._pending_hook_states = hooks
 
     def _load_hook_states(self, states: Dict[str, Any]) -> None:
-        for key, hook in zip(self._hook_keys(), self.hooks):
+        for key, hook in self.keyed_hooks():
             if key in states:
                 hook.load_state_dict(states[key])
+
+    def continue_metrics_from(self, states: Optional[Dict[str, Any]]) -> None:
+        """This rank's train metric sums from a checkpoint (``metric_partial_states()`` of the run that wrote it):
+        the epoch the run resumes inside continues them, so its epoch values are the uninterrupted run's."""
+        self._pending_metric_states = dict(states) if states else None
 
 
 class _Run:

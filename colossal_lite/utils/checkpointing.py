@@ -24,7 +24,7 @@ from ..checkpoint.merged import (
 from ..checkpoint.model_state import check_model_state, is_sharded, load_model_state, unwrap_module
 from ..core.dist import is_rank_0
 
-__all__ = ["load_model_state", "check_model_state", "save_checkpoint", "load_checkpoint"]
+__all__ = ["load_model_state", "check_model_state", "save_checkpoint", "load_checkpoint", "load_scheduler_state"]
 
 
 # -- legacy single-file checkpoints ----------------------------------------------------------------
@@ -62,12 +62,24 @@ def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torc
     return atomic_save(state, path)
 
 
-def _load_scheduler(lr_scheduler, state):
-    # a state saved from an engine-wrapped scheduler, loaded into a bare one (or the other way round)
+def load_scheduler_state(lr_scheduler, state) -> None:
+    """``lr_scheduler.load_state_dict(state)`` for a state saved from the engine's scheduler wrapper loaded into a
+    bare scheduler, or the other way round. ``lr_scheduler`` may be a wrapper itself (the engine's, or an object
+    holding one as ``.lr_scheduler`` and passing the state on): it then gets the state as saved."""
     wrapped = isinstance(state, dict) and set(state) == {"scheduler", "seen_updates"}
-    if wrapped and "_engine" not in vars(lr_scheduler):  # not an EngineLRScheduler
+    if wrapped and not _takes_wrapped_state(lr_scheduler):
         state = state["scheduler"]
     lr_scheduler.load_state_dict(state)
+
+
+def _takes_wrapped_state(target) -> bool:
+    """``target`` is the engine's scheduler wrapper (an ``EngineLRScheduler``), or holds one as ``.lr_scheduler``."""
+    while target is not None:
+        attributes = getattr(target, "__dict__", {})
+        if "_engine" in attributes:
+            return True
+        target = attributes.get("lr_scheduler")
+    return False
 
 
 def load_checkpoint(file, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler=None,
@@ -110,7 +122,7 @@ def load_checkpoint_state(state, path: Path, model: nn.Module, optimizer=None, l
             if name == "optimizer":
                 _load_optimizer(model, target, state[name])
             else:
-                _load_scheduler(target, state[name])
+                load_scheduler_state(target, state[name])
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"cannot load the {name} state of {path} into this {name} "
                              f"({type(target).__name__}): {e}") from e

@@ -105,19 +105,40 @@ class BaseHook:
     def after_optimizer_step(self, trainer) -> None:
         """``state.updated`` says whether the parameters changed (False when fp16 skipped the step)."""
 
-    # -- checkpoints (fired by checkpoint hooks) -------------------------------------------------
-    def on_save_checkpoint(self, trainer, checkpoint: Dict[str, Any]) -> None:
-        """Add entries to ``checkpoint`` (a dict about to be saved)."""
-
-    def on_load_checkpoint(self, trainer, checkpoint: Dict[str, Any]) -> None:
-        """Read entries back from a loaded ``checkpoint``."""
+    # -- state: what a checkpoint saves and a resumed run gets back (docs/checkpoints.md) ---------
+    #: The entry of a trainer checkpoint's shared state that keeps this hook's ``state_dict()``, under the hook's
+    #: key (``'EarlyStoppingHook.0'``): ``'trainer'`` (``shared_state['trainer']['hooks']``) or
+    #: ``'lr_schedulers'`` (``shared_state['lr_schedulers']``, the format's entry for schedulers, which
+    #: ``load_checkpoint``, ``ckpt merge`` files and older colossal_lite versions read schedulers from).
+    checkpoint_entry: str = "trainer"
 
     def state_dict(self) -> Dict[str, Any]:
-        """What this hook needs to resume (empty for stateless hooks)."""
+        """What this hook needs to resume, the same on every rank (empty for stateless hooks).
+
+        Saved in every trainer checkpoint (and by ``Trainer.state_dict``) under the hook's key, and handed back
+        to ``load_state_dict`` when a run resumes: a hook of your own that defines both is checkpointed and
+        resumed with nothing else to do. Tensors and plain Python values only."""
         return {}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        pass
+        """Take back what ``state_dict()`` returned (called once the hooks of the resuming run are attached)."""
+
+    def rank_state_dict(self) -> Dict[str, Any]:
+        """What this hook needs to resume that differs between ranks (e.g. a random generator of its own); empty
+        for most hooks. Saved in each rank's file and handed back to ``load_rank_state_dict`` on that rank, when
+        the run resumes with the number of ranks that wrote it (as the data position is)."""
+        return {}
+
+    def load_rank_state_dict(self, state: Dict[str, Any]) -> None:
+        """Take back what ``rank_state_dict()`` returned on this rank."""
+
+    # -- checkpoints (fired by the checkpoint code) ----------------------------------------------
+    def on_save_checkpoint(self, trainer, checkpoint: Dict[str, Any]) -> None:
+        """Add entries to ``checkpoint`` (the shared state about to be saved; put your entries under
+        ``checkpoint['hooks']``, and this rank's under ``checkpoint['rank_state']['hooks']``)."""
+
+    def on_load_checkpoint(self, trainer, checkpoint: Dict[str, Any]) -> None:
+        """Read entries back from a loaded ``checkpoint``; every hook's ``load_state_dict`` has run."""
 
     # -- legacy helper ---------------------------------------------------------------------------
     def init_runner_states(self, trainer, key: str, val: Any) -> None:

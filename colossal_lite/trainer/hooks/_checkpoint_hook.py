@@ -12,12 +12,12 @@ from ...checkpoint import CheckpointManager
 from ...checkpoint.io import CheckpointNotFoundError, load_single_file
 from ...checkpoint.manager import is_single_file, read_meta
 from ...checkpoint.merged import is_merged, split_merged
-from ...core.global_context import global_context as gpc
+from ...core.dist import log_rank_0, rank, world_size
 from ...utils.checkpointing import load_checkpoint_state
+from .._checkpoint.contents import checkpoint_metrics, hook_entry, position, save_trainer_checkpoint
+from .._checkpoint.restore import load_trainer_checkpoint, restore_trainer_checkpoint
 from ..time import Interval, Time, TimeUnit
 from ._base_hook import BaseHook
-from ._log_hook import log_rank_0
-from ._metric_hook import LRSchedulerHook
 
 __all__ = ["SaveCheckpointHook", "LoadCheckpointHook"]
 
@@ -101,10 +101,19 @@ class SaveCheckpointHook(BaseHook):
                 and self.interval.is_epoch_boundary(st.epoch + 1):
             self._due = True
 
+    def save_if_due(self, trainer) -> Optional[Path]:
+        """At a safe point: write the checkpoint that ``interval`` made due since the last one (all ranks)."""
+        if not self._due:
+            return None
+        self._due = False
+        return self.save(trainer)
+
+    def restored(self, trainer, path: Path) -> None:
+        """The run now stands where ``path`` was taken (it was just restored): a save here would only repeat it."""
+        self._last_position, self.last_path = position(trainer), path
+
     def save(self, trainer) -> Path:
         """Write a checkpoint of the run now (all ranks); returns its folder. Once per position."""
-        from ..checkpointing import checkpoint_metrics, position, save_trainer_checkpoint
-
         here = position(trainer)
         if here == self._last_position and self.last_path is not None:
             return self.last_path
@@ -114,8 +123,8 @@ class SaveCheckpointHook(BaseHook):
         metrics = checkpoint_metrics(trainer, None if self.save_best is None else self.save_best[0])
         path = save_trainer_checkpoint(trainer, self.manager, metrics=metrics)
         self._last_position, self.last_path = here, path
-        if trainer._logger is not None:
-            log_rank_0(trainer._logger, f"checkpoint saved: {path}")
+        if trainer.logger is not None:
+            log_rank_0(trainer.logger, f"checkpoint saved: {path}")
         return path
 
     def __repr__(self) -> str:
@@ -178,10 +187,8 @@ class LoadCheckpointHook(BaseHook):
         return found
 
     def before_train(self, trainer):
-        from ..checkpointing import load_trainer_checkpoint
-
         path = self.checkpoint_dir
-        session = getattr(trainer, "_checkpoints", None)
+        session = trainer.checkpoints
         if is_single_file(path):
             self.loaded = self._load_file(trainer, path)
         else:
@@ -196,18 +203,16 @@ class LoadCheckpointHook(BaseHook):
         if session is not None and not self.finetune:
             session.restored(self.loaded)
         st = trainer.state
-        log_rank_0(trainer._logger, f"LoadCheckpointHook: loaded {self.loaded}"
+        log_rank_0(trainer.logger, f"LoadCheckpointHook: loaded {self.loaded}"
                                     + (" (weights only: finetune)" if self.finetune else "")
                                     + f"; training starts at epoch {st.epoch}, step {st.step}")
 
     def _load_file(self, trainer, path: Path) -> Path:
         """A single file: one ``ckpt merge`` wrote restores the whole run, as its folder would; a ``save_checkpoint``
         file the model (+ optimizer and the first LRSchedulerHook's scheduler unless finetune)."""
-        from ..checkpointing import restore_trainer_checkpoint
-
         state = load_single_file(path)
         if is_merged(state):
-            shared, rank_state = split_merged(state, path, gpc.get_global_rank(), gpc.get_world_size())
+            shared, rank_state = split_merged(state, path, rank(), world_size())
             return restore_trainer_checkpoint(trainer, path, shared, rank_state, finetune=self.finetune,
                                               strict=self.strict)
         return self._load_saved_file(trainer, path, state)
@@ -216,12 +221,12 @@ class LoadCheckpointHook(BaseHook):
         """The content of a ``save_checkpoint`` file: model (+ optimizer and the first LRSchedulerHook's scheduler
         unless finetune); training continues with the epoch after the one it holds."""
         engine, st = trainer.engine, trainer.state
-        scheduler = next((h.lr_scheduler for h in trainer.hooks if isinstance(h, LRSchedulerHook)), None)
+        # the file's one scheduler state goes to the first hook that keeps a scheduler's state (an LRSchedulerHook)
+        scheduler = next((hook for hook in trainer.hooks if hook_entry(hook) == "lr_schedulers"), None)
         epoch = load_checkpoint_state(state, path, engine.model, None if self.finetune else engine.optimizer,
                                       None if self.finetune else scheduler, strict=self.strict)
         start = 0 if self.finetune or epoch < 0 else epoch + 1  # the file holds the epoch it finished
         spe = st.steps_per_epoch or 0
-        st.load_state_dict({"epoch": start, "step": start * spe, "iteration": start * (st.iters_per_epoch or 0),
-                            "batch_idx": 0})
-        trainer._step_from_epoch = False
+        trainer.load_state_dict({"progress": {"epoch": start, "step": start * spe, "batch_idx": 0,
+                                              "iteration": start * (st.iters_per_epoch or 0)}})
         return path

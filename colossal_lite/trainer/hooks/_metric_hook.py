@@ -14,9 +14,11 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from ...core.dist import all_reduce_sum_, world_size
+from ...core.dist import all_reduce_sum_, is_rank_0, world_size
+from ...utils.checkpointing import load_scheduler_state
 from ..progress import format_number, to_number
 from ._base_hook import BaseHook
+from ._schedule_length import warn_if_schedule_ends_early
 from ._utils import device_of, resolve_metric
 
 __all__ = ["Metric", "LossMetric", "AccuracyMetric", "LearningRateMetric", "ThroughputMetric", "MetricHook",
@@ -575,9 +577,26 @@ class LRSchedulerHook(MetricHook):
         self.monitor = monitor
         self.metric: Optional[LearningRateMetric] = None
 
+    #: Its state is its scheduler's, kept in the checkpoint's scheduler entry (``shared_state['lr_schedulers']``).
+    checkpoint_entry = "lr_schedulers"
+
     @property
     def watched_metrics(self):
         return () if self.monitor is None else (self.monitor,)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The scheduler's ``state_dict()`` (the engine's wrapper adds how many updates it has seen)."""
+        return self.lr_scheduler.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """A scheduler state saved from the engine's wrapper or from a bare scheduler, whichever this one is."""
+        load_scheduler_state(self.lr_scheduler, state)
+
+    def on_load_checkpoint(self, trainer, checkpoint):
+        st = trainer.state
+        if st.fitting and st.total_steps and trainer.restored_from is not None and is_rank_0():
+            warn_if_schedule_ends_early(trainer.hook_key(self), self.lr_scheduler, self.by_epoch, st,
+                                        trainer.restored_from)
 
     def _current_lr(self) -> float:
         if hasattr(self.lr_scheduler, "get_last_lr"):

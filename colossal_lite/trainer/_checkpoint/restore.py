@@ -1,0 +1,161 @@
+"""Reading a trainer checkpoint back into a run: the engine, then each part's state through the state protocol."""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+from ...checkpoint import CheckpointManager, restore_rng_state
+from ...checkpoint.io import CheckpointError
+from ...checkpoint.manager import has_sharded_state, load_sharded, model_state_from
+from ...checkpoint.merged import keyed_by_name, optimizer_state_by_name, optimizer_state_by_position, parameter_names
+from ...core.dist import log_rank_0, world_size
+from .contents import hook_entry, saved_hook_states
+
+__all__ = ["load_trainer_checkpoint", "restore_trainer_checkpoint"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def load_trainer_checkpoint(trainer, manager: CheckpointManager, which: Union[str, PathLike] = "last",
+                            train_loader=None, finetune: bool = False, strict: bool = True) -> Optional[Path]:
+    """Restore the run from the checkpoint ``which`` names (see ``CheckpointManager.resolve``); every rank calls it.
+
+    ``which`` may name a checkpoint folder or a file ``ckpt merge`` wrote. ``which='auto'`` with nothing
+    to resume returns None (a fresh start), and skips damaged checkpoints with a warning
+    (``CheckpointManager.read``). See ``restore_trainer_checkpoint`` for what is restored.
+    """
+    found = manager.read(which)
+    if found is None:
+        return None
+    path, shared, rank_state = found
+    return restore_trainer_checkpoint(trainer, path, shared, rank_state, train_loader, finetune, strict)
+
+
+def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank_state: Optional[Dict[str, Any]],
+                               train_loader=None, finetune: bool = False, strict: bool = True) -> Path:
+    """Restore the run from a checkpoint already read (``read_checkpoint``); every rank calls it. Returns ``path``.
+
+    Restores the engine (model, optimizer, loss scaler, accumulation window), then the progress and the
+    ``state_dict`` of every hook (an ``LRSchedulerHook``'s is its scheduler's), each hook's
+    ``rank_state_dict``, fires ``on_load_checkpoint``, then the data position, the train metrics' sums and
+    the random state of this rank. ``finetune=True``: the model weights only, progress from 0.
+    Call it with the hooks attached. ``train_loader`` defaults to the one the running ``fit`` trains on.
+    """
+    if train_loader is None and trainer.checkpoints is not None:
+        train_loader = trainer.checkpoints.train_loader
+    if finetune:
+        _load_weights_only(trainer, path, shared, strict)
+        trainer.load_state_dict({"progress": {"epoch": 0, "step": 0, "iteration": 0, "batch_idx": 0}})
+        return path
+    _restore_engine(trainer.engine, path, shared, strict)
+    trainer.load_state_dict({"progress": (shared.get("trainer") or {}).get("progress", {}),
+                             "hooks": _hook_states_to_load(trainer, path, shared)})
+    trainer.restored_from = path
+    same_world = _same_world(shared)
+    rank_state = rank_state if rank_state is not None else {}
+    if same_world:
+        _load_rank_hook_states(trainer, rank_state)
+    trainer.fire("on_load_checkpoint", dict(shared, rank_state=rank_state))
+    _restore_rank_state(trainer, path, shared, rank_state, train_loader, same_world)
+    return path
+
+
+def _hook_states_to_load(trainer, path: Path, shared: Dict[str, Any]) -> Dict[str, Any]:
+    """The saved ``state_dict`` of each hook by key, from the entry it names. A hook whose entry is one of its
+    own kind (a scheduler's) and finds nothing there starts from its current state, with a warning."""
+    saved = saved_hook_states(shared)
+    states: Dict[str, Any] = {}
+    for key, hook in trainer.keyed_hooks():
+        entry = hook_entry(hook)
+        if key in saved[entry]:
+            states[key] = saved[entry][key]
+        elif entry != "trainer":
+            warnings.warn(f"checkpoint {path} has no state for {key} in its {entry!r} entry (it has "
+                          f"{sorted(saved[entry])}); it starts from its current state", stacklevel=3)
+    return states
+
+
+def _same_world(shared: Dict[str, Any]) -> bool:
+    """The checkpoint was written by as many ranks as this run has: each rank's own state is its own."""
+    return (shared.get("colossal_lite") or {}).get("world_size") in (None, world_size())
+
+
+def _load_rank_hook_states(trainer, rank_state: Dict[str, Any]) -> None:
+    saved = (rank_state.get("trainer") or {}).get("hooks") or {}
+    for key, hook in trainer.keyed_hooks():
+        if key in saved:
+            hook.load_rank_state_dict(saved[key])
+
+
+def _restore_rank_state(trainer, path: Path, shared: Dict[str, Any], rank_state: Dict[str, Any], train_loader,
+                        same_world: bool) -> None:
+    """This rank's data position and train metric sums (with the world size that wrote them), then its random state."""
+    data = rank_state.get("data")
+    load = getattr(train_loader, "load_state_dict", None)
+    if data is not None and callable(load) and same_world:
+        load(data)  # the sampler starts after the samples already seen; nothing is loaded to skip them
+    if same_world:  # this rank's sums of the epoch so far (used when it resumes inside one)
+        trainer.continue_metrics_from(rank_state.get("metrics"))
+    elif rank_state.get("metrics") and trainer.state.batch_idx:
+        saved_world = (shared.get("colossal_lite") or {}).get("world_size")
+        warnings.warn(f"checkpoint {path} was written by {saved_world} ranks and this run has {world_size()}: the "
+                      f"train metrics of the resumed epoch ({', '.join(sorted(rank_state['metrics']))}) count only "
+                      f"its batches from batch {trainer.state.batch_idx} on", stacklevel=4)
+    if rank_state.get("rng") is not None:
+        restore_rng_state(rank_state["rng"])
+
+
+# -- the engine ---------------------------------------------------------------------------------
+def _load_weights_only(trainer, path: Path, shared: Dict[str, Any], strict: bool) -> None:
+    engine = trainer.engine
+    if has_sharded_state(path) and "model" not in (shared.get("engine") or {}):
+        if not engine.shards_state:
+            raise CheckpointError(f"checkpoint {path} holds its model as zero stage 2/3 shards; load it with zero "
+                                  f"stage 2/3, or write one file first: colossal-lite ckpt merge {path} merged.pt")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        state = {"model": engine.sharded_state_dict()["model"]}
+        load_sharded(path, state)
+        set_model_state_dict(engine.model, state["model"], options=StateDictOptions(strict=strict))
+        return
+    weights = model_state_from(shared)
+    if not strict and not engine.shards_state:
+        own = set(engine.unwrapped_model.state_dict())
+        plain = {k[len("module."):] if k.startswith("module.") else k for k in weights}
+        missing, unexpected = sorted(own - plain), sorted(plain - own)
+        if missing or unexpected:
+            log_rank_0(trainer.logger, f"finetune from {path}: missing keys {missing}, unexpected keys "
+                                       f"{unexpected} (left as they are; strict=False)")
+    engine.strategy.load_model_state_dict(engine.model, weights, strict=strict)
+
+
+def _restore_engine(engine, path: Path, shared: Dict[str, Any], strict: bool) -> None:
+    """Model, optimizer, loss scaler, accumulation window: from the shards with ZeRO 2/3, else from ``shared``."""
+    engine_state = shared.get("engine")
+    if not isinstance(engine_state, dict):
+        raise CheckpointError(f"checkpoint {path} holds no trainer state (no 'engine' entry; top-level keys "
+                              f"{sorted(map(str, shared))}); a weights-only file loads with finetune=True or "
+                              f"colossal_lite.utils.load_checkpoint")
+    if has_sharded_state(path) and "model" not in engine_state:
+        if not engine.shards_state:
+            raise CheckpointError(f"checkpoint {path} holds model and optimizer as zero stage 2/3 shards; resume it "
+                                  f"with zero stage 2/3, or write one file first: colossal-lite ckpt merge {path} "
+                                  f"merged.pt")
+        state = engine.sharded_state_dict()
+        load_sharded(path, state)
+        engine.load_sharded_state_dict(state)
+    elif "optimizer" in engine_state:  # whole tensors, by name (merged from shards) or by position (unsharded)
+        engine_state = dict(engine_state, optimizer=_optimizer_state_for(engine, engine_state["optimizer"]))
+    engine.load_state_dict(engine_state, strict=strict)
+
+
+def _optimizer_state_for(engine, optimizer_state):
+    """The checkpoint's full optimizer state in the layout this engine's optimizer loads: by parameter name
+    over sharded parameters (ZeRO 2/3), by position otherwise (torch's own layout, ZeroRedundancyOptimizer's)."""
+    if not engine.shards_state:
+        return optimizer_state_by_position(optimizer_state)
+    if keyed_by_name(optimizer_state):
+        return optimizer_state
+    return optimizer_state_by_name(optimizer_state, parameter_names(engine.unwrapped_model, engine.optimizer))
