@@ -114,9 +114,9 @@ _TWO_RANKS = textwrap.dedent("""
     try:
         trainer.fit(loader, epochs=2, hooks=[SaveCheckpointHook(1, ck)], resume_from="auto")
     except Exception as e:
-        print(f"rank{rank} {type(e).__name__}: {e}", flush=True)
+        print(f"rank{rank} {type(e).__name__}: {e}\\n", end="", flush=True)  # one write: ranks' lines never mix
     shared, _ = CheckpointManager(ck).load("last")
-    print(f"rank{rank} last is step {shared['trainer']['progress']['step']}", flush=True)
+    print(f"rank{rank} last is step {shared['trainer']['progress']['step']}\\n", end="", flush=True)
     gpc.destroy()
 """)
 
