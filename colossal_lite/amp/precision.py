@@ -50,8 +50,10 @@ class FP32Precision:
     def autocast(self):
         return NULL_CONTEXT
 
-    def backward(self, loss: torch.Tensor):
-        loss.backward()
+    def backward(self, loss: torch.Tensor, weight: Optional[torch.Tensor] = None):
+        """Back-propagate ``weight * loss``: backward starts from ``weight`` (a 0-dim tensor; None: 1), which
+        gives the gradients of the product without computing it."""
+        loss.backward(weight)
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor):
         torch.autograd.backward(tensors=tensor, grad_tensors=grad)
@@ -132,8 +134,8 @@ class TorchAMPPrecision(FP32Precision):
         """The loss scaler skips an update whose gradients hold inf/nan (so the engine's loss guard stands aside)."""
         return bool(self.options["enabled"])
 
-    def backward(self, loss):
-        self.scaler.scale(loss).backward()
+    def backward(self, loss, weight=None):
+        self.scaler.scale(loss).backward(weight)
 
     def backward_by_grad(self, tensor, grad):
         torch.autograd.backward(tensors=tensor, grad_tensors=self.scaler.scale(grad))
@@ -251,8 +253,8 @@ class NaiveAMPPrecision(FP32Precision):
             t = self._scale_tensor = torch.full((), self.scaler.scale, dtype=torch.float32, device=like.device)
         return t
 
-    def backward(self, loss):
-        (loss.float() * self._scale(loss)).backward()
+    def backward(self, loss, weight=None):
+        (loss.float() * self._scale(loss)).backward(None if weight is None else weight.float())
 
     def backward_by_grad(self, tensor, grad):
         torch.autograd.backward(tensors=tensor, grad_tensors=grad * self._scale(grad).to(grad.dtype))

@@ -25,8 +25,11 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
     The usual batch, a ``(data, label)`` pair of tensors already on ``device``, is returned as it is without
     walking it (a walk rebuilds every container, on the path that runs once per micro-batch).
     """
-    if type(obj) is tuple and len(obj) == 2 and all(type(t) is torch.Tensor and t.device == device for t in obj):
-        return obj
+    if type(obj) is tuple and len(obj) == 2:
+        data, label = obj
+        if type(data) is torch.Tensor and type(label) is torch.Tensor and data.device == device \
+                and label.device == device:
+            return obj
     return map_leaves(lambda leaf: _to(leaf, device) if isinstance(leaf, torch.Tensor) else leaf, obj)
 
 
@@ -61,17 +64,19 @@ class _Pieces:
         return self.pieces[i]
 
 
-def call_with(fn: Callable, args: Any, *extra):
+def call_with(fn: Callable, args: Any):
     """Tensor -> fn(t), list/tuple -> fn(*x), dict -> fn(**x)."""
     if isinstance(args, dict):
-        return fn(*extra, **args)
+        return fn(**args)
     if isinstance(args, (list, tuple)):
-        return fn(*extra, *args)
-    return fn(*extra, args)
+        return fn(*args)
+    return fn(args)
 
 
 def call_criterion(criterion: Callable, outputs: Any, labels: Any):
     """Legacy argument spreading: outputs and labels as tensors, sequences or dicts."""
+    if type(outputs) is torch.Tensor and type(labels) is torch.Tensor:  # the usual pair: nothing to spread
+        return criterion(outputs, labels)
     outs = (outputs,) if not isinstance(outputs, (list, tuple, dict)) else outputs
     labs = (labels,) if not isinstance(labels, (list, tuple, dict)) else labels
     if isinstance(outs, dict):

@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterable, Optional
 import torch
 from torch import nn
 
-from ..amp.precision import NULL_CONTEXT, FP32Precision
+from ..amp.precision import FP32Precision
 from ..logging import get_dist_logger
 from .accumulation import AccumulationWindow, MicroBatch
 from .loss_guard import build_loss_guard
@@ -148,18 +148,21 @@ class Engine:
             self.reduction.reset()
             self.loss_guard.open_window()
         self.loss_guard.watch(loss)
-        loss = self.reduction.loss_for_backward(loss, where, num_tokens)
-        with self._sync_unless(where.last):
-            self.precision.backward(loss)
+        weight = self.reduction.loss_weight(loss, where, num_tokens)
+        if where.last:
+            self.precision.backward(loss, weight)
+        else:  # inside a window gradients only add up locally; the window's last backward syncs them
+            with self.strategy.no_sync(self._model):
+                self.precision.backward(loss, weight)
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor, where: Optional[MicroBatch] = None):
         where = self.window.begin(where)
-        with self._sync_unless(where.last):
-            self.precision.backward_by_grad(tensor, grad / where.divisor if where.divisor != 1 else grad)
-
-    def _sync_unless(self, last: bool):
-        """Inside a window, gradients only add up locally; the window's last backward syncs them."""
-        return NULL_CONTEXT if last else self.strategy.no_sync(self._model)
+        grad = grad / where.divisor if where.divisor != 1 else grad
+        if where.last:
+            self.precision.backward_by_grad(tensor, grad)
+        else:
+            with self.strategy.no_sync(self._model):
+                self.precision.backward_by_grad(tensor, grad)
 
     # -- the update: ``step`` = prepare_update, clip_gradients, apply_update -----------------------
     def step(self) -> bool:

@@ -29,12 +29,23 @@ class MeanReduction:
         """What ``engine.criterion`` returns for the criterion's ``result``."""
         return result
 
-    def loss_for_backward(self, loss: torch.Tensor, where: MicroBatch, num_tokens=None) -> torch.Tensor:
-        return loss / where.divisor if where.divisor != 1 else loss
+    def __init__(self):
+        self._weights: Dict[Any, torch.Tensor] = {}  # 1 / window size, per (size, dtype, device): made once
+
+    def loss_weight(self, loss: torch.Tensor, where: MicroBatch, num_tokens=None) -> Optional[torch.Tensor]:
+        """The micro-batch loss's weight in the window's loss (None: 1): backward starts from it."""
+        if where.divisor == 1 or loss.ndim:  # (a loss of several numbers then meets torch's own error: not a scalar)
+            return None
+        key = (where.divisor, loss.dtype, loss.device)
+        weight = self._weights.get(key)
+        if weight is None:
+            weight = self._weights[key] = torch.ones((), dtype=loss.dtype, device=loss.device) / where.divisor
+        return weight
 
     def finish(self, params, closing: MicroBatch) -> None:
         """The window's gradients are summed (and reduced over ranks): make them the chosen reduction."""
-        rescale_grads_(params, closing.correction)
+        if closing.correction != 1.0:
+            rescale_grads_(params, closing.correction)
 
     def reset(self) -> None:
         """A window opens (the last one was applied, skipped or abandoned): nothing of it is kept."""
@@ -49,8 +60,8 @@ class MeanReduction:
 class SumReduction(MeanReduction):
     name = "sum"
 
-    def loss_for_backward(self, loss, where, num_tokens=None):
-        return loss
+    def loss_weight(self, loss, where, num_tokens=None):
+        return None
 
     def finish(self, params, closing):
         world = world_size()
@@ -62,6 +73,7 @@ class TokenMeanReduction(MeanReduction):
     name = "per-token-mean"
 
     def __init__(self):
+        super().__init__()
         self._micro_tokens: Optional[torch.Tensor] = None  # the last criterion's real-token count
         self.tokens: Optional[torch.Tensor] = None  # real tokens of the open window on this rank
 
@@ -77,7 +89,7 @@ class TokenMeanReduction(MeanReduction):
         self._micro_tokens = n
         return loss_sum / n.clamp(min=1)
 
-    def loss_for_backward(self, loss, where, num_tokens=None):
+    def loss_weight(self, loss, where, num_tokens=None):
         n = self._micro_tokens if num_tokens is None else torch.as_tensor(num_tokens, dtype=torch.float32,
                                                                           device=loss.device)
         if n is None:
@@ -85,7 +97,7 @@ class TokenMeanReduction(MeanReduction):
                                "criterion return (loss_sum, num_tokens) or call engine.backward(loss, num_tokens=n)")
         self._micro_tokens = None
         self.tokens = n if self.tokens is None else self.tokens + n
-        return loss * n  # back to the micro-batch's token sum; divided by the global count at the step
+        return n.to(loss.dtype)  # back to the micro-batch's token sum; divided by the global count at the step
 
     def finish(self, params, closing):
         total = self.tokens if self.tokens is not None else torch.zeros(())

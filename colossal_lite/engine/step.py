@@ -53,16 +53,15 @@ class TrainStep:
         if where.last:
             self.update()
 
-    def _fire(self, handlers) -> None:
-        for fn in handlers:
-            fn(self.owner)
-
+    # Each event is a loop over its handlers, written out at its line: an event nobody handles costs an empty
+    # loop, not a call.
     def load(self, batch: Any) -> None:
         """Put the batch on the engine's device and split it into ``(data, label)``; a handler of
         ``after_batch_loaded`` may replace the whole batch (it is split again) or its parts."""
-        rec = self.record
+        rec, owner = self.record, self.owner
         placed = self._place(batch)
-        self._fire(self.events.after_batch_loaded)
+        for fn in self.events.after_batch_loaded:
+            fn(owner)
         if rec.batch is not placed:
             rec.data, rec.label = self.engine.schedule.split(rec.batch)
 
@@ -72,20 +71,23 @@ class TrainStep:
         return rec.batch
 
     def forward_backward(self, batch: Any, where: Optional[MicroBatch] = None) -> None:
-        rec, events, engine = self.record, self.events, self.engine
+        rec, events, engine, owner = self.record, self.events, self.engine, self.owner
         self.load(batch)
-        self._fire(events.before_forward)
+        for fn in events.before_forward:
+            fn(owner)
         rec.output = call_with(engine, rec.data)
-        self._fire(events.after_forward)
+        for fn in events.after_forward:
+            fn(owner)
         rec.loss = call_criterion(engine.criterion, rec.output, rec.label)
-        self._fire(events.after_loss)
-        self._fire(events.before_backward)
+        for fn in events.after_loss + events.before_backward:
+            fn(owner)
         engine.backward(rec.loss, where=where)
-        self._fire(events.after_backward)
+        for fn in events.after_backward:
+            fn(owner)
 
     def update(self) -> bool:
         """The window is complete: reduce and clip the gradients, then the optimizer step; True if applied."""
-        rec, events, engine = self.record, self.events, self.engine
+        rec, events, engine, owner = self.record, self.events, self.engine, self.owner
         rec.stepped = True
         rec.updated = False
         if engine.prepare_update():
@@ -93,10 +95,12 @@ class TrainStep:
             if norm is not None:
                 rec.grad_norm = norm
                 for fn in events.after_grad_norm:
-                    fn(self.owner, norm)
-            self._fire(events.before_optimizer_step)
+                    fn(owner, norm)
+            for fn in events.before_optimizer_step:
+                fn(owner)
             rec.updated = engine.apply_update()
-        self._fire(events.after_optimizer_step)
+        for fn in events.after_optimizer_step:
+            fn(owner)
         return rec.updated
 
     def forward_only(self, batch: Any, with_loss: bool = True) -> None:
@@ -123,11 +127,13 @@ class AutoMicroBatchStep(TrainStep):
         super().__init__(engine, record, events, owner)
 
     def forward_backward(self, batch, where=None):
-        rec, engine = self.record, self.engine
+        rec, engine, owner = self.record, self.engine, self.owner
         self.load(batch)
-        self._fire(self.events.before_forward)
+        for fn in self.events.before_forward:
+            fn(owner)
         rec.output, rec.loss = engine.auto_batcher.run(engine, rec.data, rec.label, where)
-        self._fire(self.events.after_backward)
+        for fn in self.events.after_backward:
+            fn(owner)
 
 
 def _owner_name(fn) -> str:

@@ -131,11 +131,6 @@ def _iterate_from(loader, iters: int, skip: int) -> Iterator:
     return data_iter
 
 
-def _call_each(handlers, trainer) -> None:
-    for fn in handlers:
-        fn(trainer)
-
-
 def _checked_hooks(hooks) -> List[BaseHook]:
     """``hooks`` as a list, each a ``BaseHook`` with a numeric priority (the error names the one that is not)."""
     if hooks is None:
@@ -485,10 +480,12 @@ class Trainer:
         end = st.iters_per_epoch
         while st.batch_idx < end:
             where = engine.window.plan(st.batch_idx, end)
-            _call_each(h.before_train_iter, self)
+            for fn in h.before_train_iter:
+                fn(self)
             timer.start("Train-step")  # (a step's time includes loading its batch)
             if where.first:
-                _call_each(h.before_zero_grad, self)
+                for fn in h.before_zero_grad:
+                    fn(self)
                 engine.zero_grad()
             batch = next(data_iter, _END)
             if batch is _END:
@@ -600,7 +597,8 @@ class Trainer:
         ahead = next(data_iter, _END) if total is None else None
         count = 0
         while ahead is not _END if total is None else count < total:
-            _call_each(self._h.before_test_iter, self)
+            for fn in self._h.before_test_iter:
+                fn(self)
             self._run_timer.start("Test-step")
             batch, ahead = (ahead, next(data_iter, _END)) if total is None else (next(data_iter, _END), None)
             if batch is _END:

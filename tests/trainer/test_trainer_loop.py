@@ -155,9 +155,9 @@ def test_the_engine_always_calls_its_parts_so_a_users_own_precision_and_strategy
             calls.append("autocast")
             return super().autocast()
 
-        def backward(self, loss):
+        def backward(self, loss, weight=None):
             calls.append("backward")
-            super().backward(loss)
+            super().backward(loss, weight)
 
         def step(self, optimizer):
             calls.append("step")

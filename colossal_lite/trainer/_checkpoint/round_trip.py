@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten
 
 from ...checkpoint import CheckpointManager, checkpoint_name, to_plain
 from ...checkpoint.io import format_bytes
 from ...core.dist import all_agree, broadcast_object, is_distributed, is_rank_0, rank, world_size
+from ...core.tree import iter_leaves, map_leaves
 from .contents import name_epoch, trainer_checkpoint_state
 
 __all__ = ["checkpoint_round_trip"]
@@ -29,9 +29,10 @@ def _same_leaf(a, b) -> bool:
 
 def _same(a, b) -> bool:
     """The same nesting (container types and keys) with equal leaves: tensors of one dtype, shape and value."""
-    leaves_a, spec_a = tree_flatten(a)
-    leaves_b, spec_b = tree_flatten(b)
-    return spec_a == spec_b and all(_same_leaf(x, y) for x, y in zip(leaves_a, leaves_b))
+    def nesting(obj):
+        return map_leaves(lambda leaf: None, obj)
+
+    return nesting(a) == nesting(b) and all(_same_leaf(x, y) for x, y in zip(iter_leaves(a), iter_leaves(b)))
 
 
 def _write_and_compare(trainer, folder: Path, train_loader):
