@@ -45,6 +45,7 @@ class TrainStep:
         self.events = events
         self.owner = owner
         self.measure_grad_norm = bool(events.after_grad_norm)  # a hook wants the norm even without clipping
+        self.criterion = engine.criterion  # the engine's criterion under its precision (one object per engine)
 
     def __call__(self, batch: Any, where: MicroBatch) -> None:
         """Train on one micro-batch; when it closes its window, update the parameters."""
@@ -78,7 +79,7 @@ class TrainStep:
         rec.output = call_with(engine, rec.data)
         for fn in events.after_forward:
             fn(owner)
-        rec.loss = call_criterion(engine.criterion, rec.output, rec.label)
+        rec.loss = call_criterion(self.criterion, rec.output, rec.label)
         for fn in events.after_loss + events.before_backward:
             fn(owner)
         engine.backward(rec.loss, where=where)
@@ -109,7 +110,7 @@ class TrainStep:
         rec, engine = self.record, self.engine
         self._place(batch)
         rec.output = call_with(engine, rec.data)
-        rec.loss = call_criterion(engine.criterion, rec.output, rec.label) if with_loss else None
+        rec.loss = call_criterion(self.criterion, rec.output, rec.label) if with_loss else None
 
 
 class AutoMicroBatchStep(TrainStep):
