@@ -15,7 +15,7 @@ The only state is ``micro_step``, the backward passes done in the open window; i
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, NamedTuple, Optional
+from typing import Iterable, Iterator, List, NamedTuple, Optional
 
 import torch
 
@@ -51,6 +51,10 @@ class AccumulationWindow:
         start = index - index % self.size
         divisor = min(self.size, length - start)
         return MicroBatch(divisor, index == start, index == start + divisor - 1)
+
+    def plans(self, length: int) -> List[MicroBatch]:
+        """The place of every micro-batch of an epoch of ``length`` (worked out once per epoch)."""
+        return [self.plan(i, length) for i in range(length)]
 
     def plan_unsized(self, index: int, is_epoch_end: bool) -> MicroBatch:
         """Place of micro-batch ``index`` when only a look-ahead says whether it ends the epoch."""

@@ -168,7 +168,8 @@ class Engine:
     def step(self) -> bool:
         """Update the parameters at the end of a window; True if they were updated."""
         if not self.window.complete:
-            self._warn_if_idle()
+            if self.window.at_start and not self._warned_idle_step:
+                self._warn_idle_step()
             return False
         if not self.prepare_update():
             return False
@@ -208,9 +209,7 @@ class Engine:
         self.reduction.reset()
         self.loss_guard.end_window()
 
-    def _warn_if_idle(self) -> None:
-        if not self.window.at_start or self._warned_idle_step:
-            return
+    def _warn_idle_step(self) -> None:
         self._warned_idle_step = True
         get_dist_logger().warning(
             "engine.step() was called with no engine.backward(loss) since the last update, so it applied nothing "

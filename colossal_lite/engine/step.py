@@ -45,7 +45,10 @@ class TrainStep:
         self.events = events
         self.owner = owner
         self.measure_grad_norm = bool(events.after_grad_norm)  # a hook wants the norm even without clipping
-        self.criterion = engine.criterion  # the engine's criterion under its precision (one object per engine)
+        # ``engine(x)`` and ``engine.criterion(out, y)`` as bound methods, which Python calls more cheaply than the
+        # objects (the same code runs)
+        self.forward = engine.__call__
+        self.criterion = engine.criterion.__call__
 
     def __call__(self, batch: Any, where: MicroBatch) -> None:
         """Train on one micro-batch; when it closes its window, update the parameters."""
@@ -59,24 +62,20 @@ class TrainStep:
     def load(self, batch: Any) -> None:
         """Put the batch on the engine's device and split it into ``(data, label)``; a handler of
         ``after_batch_loaded`` may replace the whole batch (it is split again) or its parts."""
-        rec, owner = self.record, self.owner
-        placed = self._place(batch)
+        rec, owner, schedule = self.record, self.owner, self.engine.schedule
+        placed, data, label = schedule.place(batch, self.engine.device)
+        rec.batch, rec.data, rec.label = placed, data, label
         for fn in self.events.after_batch_loaded:
             fn(owner)
         if rec.batch is not placed:
-            rec.data, rec.label = self.engine.schedule.split(rec.batch)
-
-    def _place(self, batch: Any) -> Any:
-        rec = self.record
-        rec.batch, rec.data, rec.label = self.engine.schedule.place(batch, self.engine.device)
-        return rec.batch
+            rec.data, rec.label = schedule.split(rec.batch)
 
     def forward_backward(self, batch: Any, where: Optional[MicroBatch] = None) -> None:
         rec, events, engine, owner = self.record, self.events, self.engine, self.owner
         self.load(batch)
         for fn in events.before_forward:
             fn(owner)
-        rec.output = call_with(engine, rec.data)
+        rec.output = call_with(self.forward, rec.data)
         for fn in events.after_forward:
             fn(owner)
         rec.loss = call_criterion(self.criterion, rec.output, rec.label)
@@ -108,8 +107,8 @@ class TrainStep:
         """Evaluation's step: load, forward and (with a criterion) the loss; run it under ``torch.no_grad``.
         The training events do not fire (evaluation has its own, around it)."""
         rec, engine = self.record, self.engine
-        self._place(batch)
-        rec.output = call_with(engine, rec.data)
+        rec.batch, rec.data, rec.label = engine.schedule.place(batch, engine.device)
+        rec.output = call_with(self.forward, rec.data)
         rec.loss = call_criterion(self.criterion, rec.output, rec.label) if with_loss else None
 
 

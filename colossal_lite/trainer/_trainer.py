@@ -478,8 +478,9 @@ class Trainer:
         ``until_step``: stop after the first optimizer step (test mode)."""
         st, engine, h, timer = self.state, self._engine, self._h, self._run_timer
         end = st.iters_per_epoch
+        plans = engine.window.plans(end)
         while st.batch_idx < end:
-            where = engine.window.plan(st.batch_idx, end)
+            where = plans[st.batch_idx]
             for fn in h.before_train_iter:
                 fn(self)
             timer.start("Train-step")  # (a step's time includes loading its batch)
