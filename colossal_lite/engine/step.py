@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .accumulation import MicroBatch
-from .batch import call_criterion, call_with
+from .batch import call_criterion, call_with, move_to_device
 
 
 class NoEvents:
@@ -50,7 +50,7 @@ class TrainStep:
         self.forward = engine.__call__
         self.criterion = engine.criterion.__call__
 
-    def __call__(self, batch: Any, where: MicroBatch) -> None:
+    def run(self, batch: Any, where: MicroBatch) -> None:
         """Train on one micro-batch; when it closes its window, update the parameters."""
         self.record.stepped = self.record.updated = False
         self.forward_backward(batch, where)
@@ -63,8 +63,9 @@ class TrainStep:
         """Put the batch on the engine's device and split it into ``(data, label)``; a handler of
         ``after_batch_loaded`` may replace the whole batch (it is split again) or its parts."""
         rec, owner, schedule = self.record, self.owner, self.engine.schedule
-        placed, data, label = schedule.place(batch, self.engine.device)
-        rec.batch, rec.data, rec.label = placed, data, label
+        placed = schedule.current_batch = move_to_device(batch, self.engine.device)
+        rec.batch = placed
+        rec.data, rec.label = schedule.split(placed)
         for fn in self.events.after_batch_loaded:
             fn(owner)
         if rec.batch is not placed:
@@ -79,7 +80,9 @@ class TrainStep:
         for fn in events.after_forward:
             fn(owner)
         rec.loss = call_criterion(self.criterion, rec.output, rec.label)
-        for fn in events.after_loss + events.before_backward:
+        for fn in events.after_loss:
+            fn(owner)
+        for fn in events.before_backward:
             fn(owner)
         engine.backward(rec.loss, where=where)
         for fn in events.after_backward:

@@ -477,7 +477,7 @@ class Trainer:
         events around it. Returns True when a checkpoint ``boundary`` asked to stop (preemption).
         ``until_step``: stop after the first optimizer step (test mode)."""
         st, engine, h, timer = self.state, self._engine, self._h, self._run_timer
-        end = st.iters_per_epoch
+        end, max_steps = st.iters_per_epoch, st.max_steps if st.max_steps is not None else math.inf
         plans = engine.window.plans(end)
         while st.batch_idx < end:
             where = plans[st.batch_idx]
@@ -492,7 +492,7 @@ class Trainer:
             if batch is _END:
                 raise RuntimeError(f"the train_dataloader stopped after {st.batch_idx} batches of an epoch, but its "
                                    f"len() is {end}: make __len__ give the number of batches __iter__ yields")
-            self._step(batch, where)
+            self._step.run(batch, where)
             st.iteration += 1
             st.batch_idx += 1
             st.step += where.last
@@ -508,7 +508,7 @@ class Trainer:
             output = label = st.output = st.loss = None
             if where.last and self._after_optimizer_step(run, progress, boundary):
                 return True
-            if st.stop_training or st.max_steps_reached:
+            if st.stop_training or st.step >= max_steps:
                 break
         return False
 
