@@ -17,6 +17,7 @@ from torch import nn
 from ..context.config import ConfigException
 from ..context.defaults import NAIVE_AMP_OPTIONS, TORCH_AMP_OPTIONS
 from ..context.validation import normalize_amp_mode
+from ..core.dist import is_rank_0, log_rank_0
 from ..core.tree import map_leaves
 from .amp_type import AMP_TYPE
 
@@ -222,7 +223,8 @@ class NaiveAMPPrecision(FP32Precision):
                  backoff_factor: float = _NAIVE["backoff_factor"], growth_interval: int = _NAIVE["growth_interval"],
                  hysteresis: int = _NAIVE["hysteresis"], min_scale: Optional[float] = _NAIVE["min_scale"],
                  max_scale: Optional[float] = _NAIVE["max_scale"], dynamic_grad_scale: bool = _NAIVE["dynamic_grad_scale"],
-                 verbose: bool = _NAIVE["verbose"]):
+                 verbose: bool = _NAIVE["verbose"], log_num_zeros_in_grad: bool = _NAIVE["log_num_zeros_in_grad"]):
+        self.log_num_zeros_in_grad = log_num_zeros_in_grad
         self.scaler = DynamicGradScaler(initial_scale, growth_factor, backoff_factor, growth_interval, min_scale,
                                         max_scale, hysteresis, dynamic=dynamic_grad_scale)
         self._pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (fp16 model param, fp32 master)
@@ -279,6 +281,8 @@ class NaiveAMPPrecision(FP32Precision):
     def step(self, optimizer):
         self.unscale_(optimizer)
         overflow = bool(self._found_inf.item())  # the one device read per update in this mode
+        if self.log_num_zeros_in_grad and not overflow and is_rank_0():
+            self._log_zeros_in_grad()  # before the update, so the line names the scale these gradients had
         self.scaler.update(overflow)
         if not overflow:
             optimizer.step()
@@ -286,6 +290,17 @@ class NaiveAMPPrecision(FP32Precision):
                 for p, master in self._pairs:
                     p.copy_(master)
         self._unscaled = False
+
+    def _log_zeros_in_grad(self):
+        """The legacy ``log_num_zeros_in_grad`` line: zero elements of the unscaled fp32 gradients about to be
+        applied (the gradients are already reduced, so rank 0's count is every rank's). A zero count that grows
+        shows dead units or an underflowing loss scale. Costs one device read, so only when asked."""
+        grads = [m.grad for _, m in self._pairs if m.grad is not None]
+        if not grads:
+            return
+        zeros = int(torch.stack([(g == 0).sum() for g in grads]).sum().item())
+        total = sum(g.numel() for g in grads)
+        log_rank_0(None, f"naive fp16: {zeros} of {total} gradient elements are zero (loss scale {self.scaler.scale:g})")
 
     def zero_grad(self, model, optimizer, set_to_none=True):
         optimizer.zero_grad(set_to_none=set_to_none)

@@ -15,6 +15,7 @@ TORCH_AMP_OPTIONS: Dict[str, Any] = dict(init_scale=2.0**16, growth_factor=2.0, 
 NAIVE_AMP_OPTIONS: Dict[str, Any] = dict(
     initial_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000, hysteresis=2,
     min_scale=None, max_scale=None, dynamic_grad_scale=True, verbose=False,
+    log_num_zeros_in_grad=False,  # True: rank 0 logs how many gradient elements are zero at each update
 )
 # fp16 = dict(mode=AMP_TYPE.BF16): no options (bf16 needs no loss scaling)
 BF16_OPTIONS: Dict[str, Any] = {}

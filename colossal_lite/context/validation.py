@@ -96,7 +96,7 @@ class _Checker:
 
     def _amp_option(self, opt, v, options):
         """One loss-scaler option: its type and range."""
-        if opt in ("enabled", "dynamic_grad_scale", "verbose"):
+        if opt in ("enabled", "dynamic_grad_scale", "verbose", "log_num_zeros_in_grad"):
             if not _is_bool(v):
                 meant = as_bool(v)
                 fix = f"write {opt}={meant}" if meant is not None else f"write {opt}=True or {opt}=False"

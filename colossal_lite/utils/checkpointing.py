@@ -4,15 +4,34 @@
 ``colossal_lite.checkpoint.model_state`` and stay importable from here."""
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .._version import __version__
-from ..checkpoint.io import CheckpointError, CheckpointWriteError, atomic_save, load_single_file
+from ..checkpoint.io import (
+    TMP_PREFIX,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    atomic_save,
+    load_single_file,
+)
+from ..checkpoint.manager import (
+    META_FILE,
+    CheckpointManager,
+    _pid_alive,
+    has_sharded_state,
+    is_single_file,
+    load_shared,
+    merge_checkpoint,
+    read_meta,
+    resolve_path,
+)
 from ..checkpoint.merged import (
     is_merged,
     keyed_by_name,
@@ -24,7 +43,8 @@ from ..checkpoint.merged import (
 from ..checkpoint.model_state import check_model_state, is_sharded, load_model_state, unwrap_module
 from ..core.dist import is_rank_0
 
-__all__ = ["load_model_state", "check_model_state", "save_checkpoint", "load_checkpoint", "load_scheduler_state"]
+__all__ = ["load_model_state", "check_model_state", "save_checkpoint", "load_checkpoint", "load_scheduler_state",
+           "write_checkpoint_file"]
 
 
 # -- legacy single-file checkpoints ----------------------------------------------------------------
@@ -41,16 +61,31 @@ def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torc
     The file is a plain dict, readable with ``torch.load(file, weights_only=True)``. Returns the
     path on rank 0, ``None`` elsewhere; call ``colossal_lite.utils.barrier()`` before other ranks read it.
     """
+    _check_extra(kwargs)
+    if not is_rank_0():
+        return None
+    return write_checkpoint_file(file, epoch, unwrap_module(model).state_dict(),
+                                 None if optimizer is None else optimizer.state_dict(),
+                                 None if lr_scheduler is None else lr_scheduler.state_dict(), **kwargs)
+
+
+def _check_extra(kwargs: Dict[str, Any]) -> None:
     clash = sorted(set(kwargs) & set(_RESERVED))
     if clash:
         raise ValueError(f"save_checkpoint(**kwargs) cannot use the names {clash}: they hold the checkpoint itself")
-    if not is_rank_0():
-        return None
-    state: Dict[str, Any] = {"epoch": int(epoch), "model": unwrap_module(model).state_dict()}
-    if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
-    if lr_scheduler is not None:
-        state["lr_scheduler"] = lr_scheduler.state_dict()
+
+
+def write_checkpoint_file(file, epoch: int, model_state: Dict[str, Any], optimizer_state: Optional[Dict] = None,
+                          scheduler_state: Optional[Dict] = None, **kwargs) -> Path:
+    """``save_checkpoint``'s file from states already taken, written by this process (atomically) whichever rank
+    it is: ``SaveCheckpointHook`` with a file path gathers the states on every rank (a collective where they are
+    sharded) and writes on rank 0 only."""
+    _check_extra(kwargs)
+    state: Dict[str, Any] = {"epoch": int(epoch), "model": model_state}
+    if optimizer_state is not None:
+        state["optimizer"] = optimizer_state
+    if scheduler_state is not None:
+        state["lr_scheduler"] = scheduler_state
     state.update(kwargs)
     state["colossal_lite"] = {"version": __version__, "torch_version": torch.__version__}
     path = Path(file)
@@ -60,6 +95,22 @@ def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torc
         raise CheckpointWriteError(f"could not write checkpoint {path}: cannot create its folder {path.parent} "
                                    f"({e.strerror or e})") from e
     return atomic_save(state, path)
+
+
+def remove_stale_temp_files(file) -> List[Path]:
+    """Delete the temporary files that writes of ``file`` killed midway left next to it (``.tmp-<name>-<pid>`` of
+    processes that are gone); other files in that folder are never touched."""
+    path = Path(file)
+    removed = []
+    pattern = re.compile(re.escape(f"{TMP_PREFIX}{path.name}-") + r"(\d+)$")
+    if not path.parent.is_dir():
+        return removed
+    for entry in path.parent.iterdir():
+        m = pattern.match(entry.name)
+        if m and entry.is_file() and not _pid_alive(int(m.group(1))):
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
 
 
 def load_scheduler_state(lr_scheduler, state) -> None:
@@ -89,21 +140,54 @@ def load_checkpoint(file, model: nn.Module, optimizer: Optional[torch.optim.Opti
     and reads ``file``.
 
     A file ``colossal-lite ckpt merge`` wrote loads too: its model, optimizer and (first) scheduler,
-    and the epoch of the checkpoint it was merged from. The file is compared with the CRC-32 of
+    and the epoch of the checkpoint it was merged from. So does a checkpoint folder
+    (``SaveCheckpointHook``'s): one checkpoint folder, a ``last``/``best`` pointer, or the folder of a
+    run's checkpoints, whose ``last`` (else its newest checkpoint) is loaded; its files are verified
+    against the checksums its ``meta.json`` records. A file is compared with the CRC-32 of
     each record of its zip archive, then read with ``torch.load(weights_only=True)``: one carrying
     other pickled objects is refused and nothing in it runs. A model that does not match raises
     listing the missing and unexpected keys and the shape mismatches (missing/unexpected keys are
     allowed with ``strict=False``).
     """
     path = Path(file)
+    if path.is_dir() or _is_pointer(path):
+        folder, state = _folder_state(path)
+        return load_checkpoint_state(state, folder, model, optimizer, lr_scheduler, strict)
     return load_checkpoint_state(load_single_file(path), path, model, optimizer, lr_scheduler, strict)
+
+
+def _is_pointer(path: Path) -> bool:
+    """A ``last``/``best`` pointer file naming a checkpoint folder next to it (not a small checkpoint file)."""
+    return path.is_file() and not is_single_file(path) and resolve_path(path).is_dir()
+
+
+def _folder_state(path: Path) -> Tuple[Path, Dict[str, Any]]:
+    """The checkpoint folder ``path`` names and its content in ``save_checkpoint``'s layout (this process only)."""
+    folder = _checkpoint_folder(path)
+    if has_sharded_state(folder):  # ZeRO stage 2/3: the full model and optimizer come from the shards
+        merged = merge_checkpoint(folder)
+        return folder, _legacy_view(merged, merged_meta(merged).get("epoch", -1))
+    return folder, _legacy_view(load_shared(folder), read_meta(folder).get("epoch", -1))
+
+
+def _checkpoint_folder(path: Path) -> Path:
+    """One checkpoint folder from a checkpoint folder, a pointer, or a folder of checkpoints (its ``last``, else
+    its newest complete one)."""
+    if path.is_dir() and not (path / META_FILE).is_file() and not (path / "last").is_file():
+        newest = CheckpointManager(path, cleanup=False).latest()
+        if newest is None:
+            raise CheckpointNotFoundError(f"{path} is a folder, not a checkpoint file, and holds no complete "
+                                          f"colossal_lite checkpoint (no {META_FILE}, no 'last' pointer, no "
+                                          f"checkpoint folder in it)")
+        return newest
+    return resolve_path(path)
 
 
 def load_checkpoint_state(state, path: Path, model: nn.Module, optimizer=None, lr_scheduler=None,
                           strict: bool = True) -> int:
     """``load_checkpoint`` of the content of the file ``path``, already read."""
     if is_merged(state):
-        state = _legacy_view(state)
+        state = _legacy_view(state, merged_meta(state).get("epoch", -1))
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         found = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path} is not a save_checkpoint file: it has no 'model' entry (found {found})")
@@ -130,13 +214,14 @@ def load_checkpoint_state(state, path: Path, model: nn.Module, optimizer=None, l
     return int(epoch) if isinstance(epoch, (int, float)) else -1
 
 
-def _legacy_view(merged: Dict[str, Any]) -> Dict[str, Any]:
-    """A merged checkpoint's content in ``save_checkpoint``'s layout: model, optimizer, the first scheduler, epoch."""
-    engine = merged.get("engine") or {}
-    view: Dict[str, Any] = {"model": engine.get("model"), "epoch": merged_meta(merged).get("epoch", -1)}
+def _legacy_view(checkpoint: Dict[str, Any], epoch: Any) -> Dict[str, Any]:
+    """A trainer checkpoint's content (a folder's shared state, or a merged file) in ``save_checkpoint``'s layout:
+    model, optimizer, the first scheduler, ``epoch``."""
+    engine = checkpoint.get("engine") or {}
+    view: Dict[str, Any] = {"model": engine.get("model"), "epoch": -1 if epoch is None else epoch}
     if "optimizer" in engine:
         view["optimizer"] = engine["optimizer"]
-    schedulers = merged.get("lr_schedulers") or {}
+    schedulers = checkpoint.get("lr_schedulers") or {}
     if schedulers:
         view["lr_scheduler"] = next(iter(schedulers.values()))  # the first LRSchedulerHook's
     return view

@@ -71,11 +71,17 @@ def check_total_steps(total_steps: Any) -> int:
     return int(total_steps)
 
 
-def check_warmup_steps(warmup_steps: Any, total_steps: int) -> int:
-    """``warmup_steps`` (optimizer steps) as an int in ``[0, total_steps]``."""
+def check_warmup_steps(warmup_steps: Any, total_steps: int, owner: str) -> int:
+    """``warmup_steps`` (optimizer steps) as an int >= 0.
+
+    A warm-up longer than the run is allowed, as legacy Colossal-AI allowed it (short test runs of a long
+    config do this): the LR then follows the warm-up line for the whole run and never reaches the base LR.
+    That is rarely meant in a real run, so it is said once, here, with both numbers."""
     warmup_steps = check_int("warmup_steps", warmup_steps, 0)
     if warmup_steps > total_steps:
-        raise ValueError(f"warmup_steps ({warmup_steps}) must not exceed total_steps ({total_steps})")
+        warnings.warn(f"{owner}: warmup_steps ({warmup_steps}) is longer than total_steps ({total_steps}), so the "
+                      f"learning rate follows the warm-up line for the whole run and does not reach the base LR; "
+                      f"shorten warmup_steps if that is not meant", UserWarning, stacklevel=3)
     return warmup_steps
 
 

@@ -38,7 +38,7 @@ class CosineAnnealingWarmupLR(WarmupScheduler):
                  last_epoch: int = -1):
         optimizer = unwrap_optimizer(optimizer)
         total_steps = check_total_steps(total_steps)
-        warmup_steps = check_warmup_steps(warmup_steps, total_steps)
+        warmup_steps = check_warmup_steps(warmup_steps, total_steps, "CosineAnnealingWarmupLR")
         require_initial_lr(optimizer, check_last_epoch(last_epoch))
         anneal = CosineAnnealingLR(optimizer, max(total_steps - warmup_steps, 1), eta_min=eta_min)
         self.total_steps = total_steps
@@ -74,10 +74,10 @@ class FlatAnnealingWarmupLR(WarmupDelayerScheduler):
         warn_unused("FlatAnnealingWarmupLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
         total_steps = check_total_steps(total_steps)
-        warmup_steps = check_warmup_steps(warmup_steps, total_steps)
+        warmup_steps = check_warmup_steps(warmup_steps, total_steps, "FlatAnnealingWarmupLR")
         pct_start = _check_pct_start(pct_start)
         require_initial_lr(optimizer, check_last_epoch(last_epoch))
-        flat_steps = int((total_steps - warmup_steps) * pct_start)
+        flat_steps = int(max(total_steps - warmup_steps, 0) * pct_start)
         anneal = CosineAnnealingLR(optimizer, max(total_steps - warmup_steps - flat_steps, 1), eta_min=eta_min)
         self.total_steps = total_steps
         super().__init__(optimizer, warmup_steps, flat_steps, anneal, last_epoch)

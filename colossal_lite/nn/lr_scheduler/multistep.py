@@ -50,12 +50,12 @@ class MultiStepWarmupLR(WarmupScheduler):
         warn_unused("MultiStepWarmupLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
         total_steps = check_total_steps(total_steps)
-        warmup_steps = check_warmup_steps(warmup_steps, total_steps)
+        warmup_steps = check_warmup_steps(warmup_steps, total_steps, "MultiStepWarmupLR")
         milestones = _check_milestones(milestones)
         if not milestones:
             raise ValueError("milestones cannot be empty")
         require_initial_lr(optimizer, check_last_epoch(last_epoch))
         shifted = [m - warmup_steps for m in milestones if m >= warmup_steps]
-        after = MultiStepLR(optimizer, total_steps - warmup_steps, milestones=shifted, gamma=gamma)
+        after = MultiStepLR(optimizer, max(total_steps - warmup_steps, 1), milestones=shifted, gamma=gamma)
         self.total_steps = total_steps
         super().__init__(optimizer, warmup_steps, after, last_epoch)

@@ -47,7 +47,7 @@ class PolynomialWarmupLR(WarmupScheduler):
         warn_unused("PolynomialWarmupLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
         total_steps = check_total_steps(total_steps)
-        warmup_steps = check_warmup_steps(warmup_steps, total_steps)
+        warmup_steps = check_warmup_steps(warmup_steps, total_steps, "PolynomialWarmupLR")
         require_initial_lr(optimizer, check_last_epoch(last_epoch))
         decay = PolynomialLR(optimizer, max(total_steps - warmup_steps, 1), end_lr=end_lr, power=power)
         self.total_steps = total_steps

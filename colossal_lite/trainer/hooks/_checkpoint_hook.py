@@ -12,14 +12,16 @@ from ...checkpoint import CheckpointManager
 from ...checkpoint.io import CheckpointNotFoundError, load_single_file
 from ...checkpoint.manager import is_single_file, read_meta
 from ...checkpoint.merged import is_merged, split_merged
-from ...core.dist import log_rank_0, rank, world_size
-from ...utils.checkpointing import load_checkpoint_state
-from .._checkpoint.contents import checkpoint_metrics, hook_entry, position, save_trainer_checkpoint
+from ...core.dist import is_rank_0, log_rank_0, rank, world_size
+from ...utils.checkpointing import load_checkpoint_state, remove_stale_temp_files, write_checkpoint_file
+from .._checkpoint.contents import checkpoint_metrics, hook_entry, name_epoch, position, save_trainer_checkpoint
 from .._checkpoint.restore import load_trainer_checkpoint, restore_trainer_checkpoint
 from ..time import Interval, Time, TimeUnit
 from ._base_hook import BaseHook
 
 __all__ = ["SaveCheckpointHook", "LoadCheckpointHook"]
+
+LEGACY_FILE_SUFFIXES = (".pt", ".pth")  # SaveCheckpointHook(checkpoint_dir='x.pt'): the legacy single file
 
 
 class SaveCheckpointHook(BaseHook):
@@ -29,7 +31,11 @@ class SaveCheckpointHook(BaseHook):
         interval: an int (epochs; optimizer steps with ``save_by_iter=True``) or a time string:
             ``'2ep'``, ``'500ba'`` (optimizer steps), ``'0.25dur'`` (a fraction of the run's steps).
         checkpoint_dir: the folder of this run's checkpoints: one folder ``epoch{E}-step{S}`` per
-            checkpoint, plus ``last``/``best`` pointers (``docs/checkpoints.md``).
+            checkpoint, plus ``last``/``best`` pointers (``docs/checkpoints.md``). A path ending in ``.pt``
+            or ``.pth`` is the legacy single file instead (as the legacy docs and examples pass it): rank 0
+            rewrites it atomically at each interval in ``save_checkpoint``'s format (epoch, model, optimizer,
+            the first ``LRSchedulerHook``'s scheduler), which ``load_checkpoint`` and ``LoadCheckpointHook``
+            read; it holds no run position, so ``fit(resume_from=...)`` needs a folder.
         model: kept for the legacy signature; the engine's model is always saved (without the DDP
             prefix). When given it must be the engine's model (wrapped or not).
         save_by_iter: count an int ``interval`` in optimizer steps instead of epochs.
@@ -63,13 +69,28 @@ class SaveCheckpointHook(BaseHook):
         _check_options(save_best, keep_last_n)  # fails at construction, not at the first save
         self._options = dict(save_last=save_last, save_best=save_best, keep_last_n=keep_last_n)
         self.checkpoint_dir = Path(checkpoint_dir)
+        self.file: Optional[Path] = self.checkpoint_dir if self.checkpoint_dir.suffix in LEGACY_FILE_SUFFIXES else None
+        if self.file is not None and (save_best is not None or keep_last_n is not None):
+            raise ValueError(f"SaveCheckpointHook({str(checkpoint_dir)!r}, save_best=..., keep_last_n=...): a path "
+                             f"ending in {self.file.suffix} is one legacy file, rewritten at each interval; "
+                             f"save_best and keep_last_n choose among checkpoint folders: give a folder instead")
         self.model = model
         self.save_by_iter = bool(save_by_iter)
         self.save_best = None if save_best is None else (save_best[0], save_best[1])
-        self.manager: Optional[CheckpointManager] = None
+        self._manager: Optional[CheckpointManager] = None
         self.last_path: Optional[Path] = None  # the newest checkpoint this hook wrote (or resumed from)
         self._last_position = None
         self._due = False
+
+    @property
+    def manager(self) -> Optional[CheckpointManager]:
+        """The ``CheckpointManager`` of the folder (built when the hook is attached to a ``fit``)."""
+        if self.file is not None:
+            raise ValueError(f"SaveCheckpointHook({str(self.file)!r}) writes one legacy file, which holds the "
+                             f"weights, optimizer and scheduler but not where the run stood, so fit(resume_from=...) "
+                             f"cannot continue from it exactly: load it with LoadCheckpointHook({str(self.file)!r}) "
+                             f"(training goes on with the next epoch), or give SaveCheckpointHook a folder")
+        return self._manager
 
     @property
     def watched_metrics(self):
@@ -86,8 +107,10 @@ class SaveCheckpointHook(BaseHook):
             if not any(m is self.model for m in engine.model.modules()):
                 raise ValueError("SaveCheckpointHook(model=...) is not the engine's model. The engine's model is "
                                  "always saved (without the DDP 'module.' prefix); leave model out")
-        if self.manager is None:  # built once: it cleans what interrupted writes left and reads the best value
-            self.manager = CheckpointManager(self.checkpoint_dir, **self._options)
+        if self.file is None and self._manager is None:  # built once: it cleans what interrupted writes left
+            self._manager = CheckpointManager(self.checkpoint_dir, **self._options)  # and reads the best value
+        elif self.file is not None and is_rank_0():
+            remove_stale_temp_files(self.file)  # what a killed earlier run left mid-write
         self._due = False
 
     def after_train_iter(self, trainer, output, label, loss):
@@ -117,15 +140,29 @@ class SaveCheckpointHook(BaseHook):
         here = position(trainer)
         if here == self._last_position and self.last_path is not None:
             return self.last_path
-        if self.manager is None:
-            self.manager = CheckpointManager(self.checkpoint_dir, **self._options)
         trainer.engine.check_loss_finite()  # nan weights never become a checkpoint (nor push a good one out)
-        metrics = checkpoint_metrics(trainer, None if self.save_best is None else self.save_best[0])
-        path = save_trainer_checkpoint(trainer, self.manager, metrics=metrics)
+        if self.file is not None:
+            path = self._save_file(trainer)
+        else:
+            if self._manager is None:
+                self._manager = CheckpointManager(self.checkpoint_dir, **self._options)
+            metrics = checkpoint_metrics(trainer, None if self.save_best is None else self.save_best[0])
+            path = save_trainer_checkpoint(trainer, self._manager, metrics=metrics)
         self._last_position, self.last_path = here, path
         if trainer.logger is not None:
             log_rank_0(trainer.logger, f"checkpoint saved: {path}")
         return path
+
+    def _save_file(self, trainer) -> Path:
+        """The legacy single file: the engine's full model and optimizer state (gathered on every rank: a
+        collective under ZeRO) and the first ``LRSchedulerHook``'s scheduler, written by rank 0 over the last one.
+        It is named after the epoch its last optimizer step belongs to, as ``LoadCheckpointHook`` expects."""
+        engine_state = trainer.engine.state_dict()
+        scheduler = next((hook for hook in trainer.hooks if hook_entry(hook) == "lr_schedulers"), None)
+        if is_rank_0():
+            write_checkpoint_file(self.file, name_epoch(trainer), engine_state["model"], engine_state["optimizer"],
+                                  None if scheduler is None else scheduler.state_dict())
+        return self.file
 
     def __repr__(self) -> str:
         return f"SaveCheckpointHook(interval={str(self.interval)!r}, checkpoint_dir={str(self.checkpoint_dir)!r})"
