@@ -84,6 +84,8 @@ def _call(target, *args, **kwargs):
 
 def _child(rank: int, target, world_size: int, port: int, kwargs: dict):
     """One rank: the environment a launcher would set, then ``func(rank, world_size=, port=, **kwargs)``."""
+    for key in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:
+        del os.environ[key]  # a test run under torchrun: these ranks are not its agent's workers
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks before a timeout kill

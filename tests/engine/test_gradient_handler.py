@@ -36,6 +36,16 @@ class MyGradientHandler(BaseGradientHandler):
         self.norms.append(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])).item())
 
 
+@GRADIENT_HANDLER.register_module
+class CountingHandler(BaseGradientHandler):
+    """Only counts its calls: whatever syncs the gradients, it is another handler."""
+
+    calls = 0
+
+    def handle_gradient(self):
+        self.calls += 1
+
+
 def _batches(rank, n):
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     return [(torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(n)]
@@ -64,15 +74,25 @@ def _run_handler_vs_ddp(rank, world_size, port):
     assert handler._optimizer is engine.optimizer
     assert not isinstance(engine.model, nn.parallel.DistributedDataParallel)  # the handler replaces DDP
 
+    # the built-in handler listed with another one runs as a handler too
+    triplet = copy.deepcopy(twin)
+    gpc.config["gradient_handler"] = [dict(type="DataParallelGradientHandler", bucket_size_mb=0.0001),
+                                      dict(type="CountingHandler")]
+    mixed_engine, *_ = colossal_lite.initialize(triplet, torch.optim.SGD(triplet.parameters(), lr=0.5),
+                                                nn.CrossEntropyLoss(), verbose=False)
+    counter = mixed_engine.strategy.handlers[1]
+
     del gpc.config["gradient_handler"]  # the same run with torch DDP, for comparison
     ddp_engine, *_ = colossal_lite.initialize(twin, torch.optim.SGD(twin.parameters(), lr=0.5), nn.CrossEntropyLoss(),
                                               verbose=False)
     assert isinstance(ddp_engine.model, nn.parallel.DistributedDataParallel)
 
     batches = _batches(rank, 4)  # 2 optimizer updates of 2 micro-batches
-    _train(engine, batches)
-    _train(ddp_engine, batches)
-    assert len(handler.norms) == 2  # once per optimizer update
+    for e in (engine, mixed_engine, ddp_engine):
+        _train(e, batches)
+    assert len(handler.norms) == 2 and counter.calls == 2  # once per optimizer update
+    for p, q in zip(triplet.parameters(), twin.parameters()):
+        assert_close(p, q, rtol=1e-5, atol=1e-6)
     # before clipping: the norm the handler left is the one clipping measured (well above the 0.05 limit)
     assert handler.norms[-1] == pytest.approx(engine.grad_norm.item(), rel=1e-5) and handler.norms[-1] > 0.05
     for p, q in zip(model.parameters(), twin.parameters()):
@@ -121,7 +141,7 @@ def test_unknown_handler_type_lists_the_registered_ones():
         load_config(dict(gradient_handler=[dict(type="MyGradientHandlr")]))
     msg = str(e.value)
     assert "unknown handler type 'MyGradientHandlr'" in msg
-    assert "DataParallelGradientHandler, MyGradientHandler" in msg and "did you mean 'MyGradientHandler'" in msg
+    assert "DataParallelGradientHandler, CountingHandler, MyGradientHandler" in msg and "did you mean 'MyGradientHandler'" in msg
     assert "@GRADIENT_HANDLER.register_module" in msg and "before calling launch" in msg
 
 
