@@ -19,8 +19,9 @@ from .core.global_context import global_context as gpc
 from .engine.accumulation import AccumulationDataLoader, AccumulationWindow
 from .engine.auto_batch import AutoMicroBatcher
 from .engine.engine import Engine, EngineLRScheduler
+from .engine.gradient_handler import DataParallelGradientHandler
 from .engine.schedule import NonPipelineSchedule
-from .engine.strategy import AllReduceStrategy, DDPStrategy, SingleProcess, broadcast_module
+from .engine.strategy import AllReduceStrategy, DDPStrategy, HandlerStrategy, SingleProcess, broadcast_module
 from .engine.zero import FSDPStrategy, ZeroStage1Strategy
 from .launch import get_default_parser, launch, launch_from_openmpi, launch_from_slurm, launch_from_torch
 from .logging import get_dist_logger
@@ -139,6 +140,8 @@ def _build_strategy(config, world_size: int, precision):
                             reshard_after_forward=zero.get("reshard_after_forward"),
                             param_dtype=getattr(precision, "compute_dtype", None))
     handlers = config.get("gradient_handler")
+    if handlers and any(h["type"] != DataParallelGradientHandler.__name__ for h in handlers):
+        return HandlerStrategy(handlers)  # a user's handler runs at every world size, as legacy ran it
     if world_size <= 1:
         return SingleProcess()
     if handlers is not None:

@@ -78,7 +78,11 @@ def _data_parallel_line(config: dict, world_size: Optional[int]) -> str:
                 3: "parameters, gradients and optimizer state sharded (FSDP2)"}[stage]
         extra = ", optimizer offloaded to CPU" if zero.get("offload_optimizer") else ""
         return f"data parallel: ZeRO stage {stage}: {what}{extra}{where}"
-    if config.get("gradient_handler") is not None:
+    handlers = config.get("gradient_handler")
+    if handlers and any(h.get("type") != "DataParallelGradientHandler" for h in handlers):
+        names = ", ".join(str(h.get("type")) for h in handlers)
+        return f"data parallel: your gradient handlers ({names}) in engine.step(), before clipping; no DDP{where}"
+    if handlers is not None:
         return f"data parallel: bucketed gradient all-reduce in engine.step() (DataParallelGradientHandler){where}"
     ddp = config.get("torch_ddp") or {}
     kw = f" with {_fmt(ddp)}" if ddp else ""

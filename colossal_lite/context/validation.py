@@ -14,6 +14,7 @@ from typing import Callable, List, Optional, Union
 
 from ..amp.amp_type import AMP_TYPE
 from ..logging import get_dist_logger
+from ..registry import GRADIENT_HANDLER
 from .config import Config, ConfigException
 from .defaults import BF16_OPTIONS, DEFAULTS, NAIVE_AMP_OPTIONS, TORCH_AMP_OPTIONS, ZERO_OPTIONS
 from .hints import amp_mode_meant, as_bool, as_choice, as_number, as_positive_int, as_positive_number, as_seconds, py
@@ -21,7 +22,7 @@ from .hints import amp_mode_meant, as_bool, as_choice, as_number, as_positive_in
 # Older Colossal-AI examples write zero = dict(level=2, cpu_offload=True, verbose=False): today's name of each
 # (None: the key has no effect and is dropped).
 LEGACY_ZERO_KEYS = dict(level="stage", cpu_offload="offload_optimizer", verbose=None)
-GRADIENT_HANDLERS = ("DataParallelGradientHandler",)
+GRADIENT_HANDLERS = ("DataParallelGradientHandler",)  # built in; a user's own are found in the GRADIENT_HANDLER registry
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # Common misspellings, mapped to the key that was meant.
@@ -158,15 +159,21 @@ class _Checker:
         for item in value:
             if not isinstance(item, dict) or "type" not in item:
                 self.fail(("gradient_handler",), f"each entry must be a dict with a 'type', got {item!r}", _handler_fix(value))
-            if item["type"] not in GRADIENT_HANDLERS:
+            known = registered_handlers()
+            if item["type"] not in known:
+                # checked at launch, so a handler is found only if the script registered it before calling launch
                 self.fail(("gradient_handler",), f"unknown handler type {item['type']!r}",
-                          f"use one of {', '.join(GRADIENT_HANDLERS)}{self._suggest(str(item['type']), GRADIENT_HANDLERS)} "
-                          f"(tensor/pipeline/MoE handlers are not supported)")
-            extra = set(item) - {"type", "bucket_size_mb"}
+                          f"use one of {', '.join(known)}{self._suggest(str(item['type']), known)} "
+                          f"(tensor/pipeline/MoE handlers are not supported), or register your own "
+                          f"BaseGradientHandler subclass with @GRADIENT_HANDLER.register_module "
+                          f"(from colossal_lite.registry) before calling launch")
+            accepted = _handler_options(item["type"])
+            extra = set(item) - {"type"} - (accepted if accepted is not None else set(item))
             if extra:
-                hints = "".join(self._suggest(k, ("bucket_size_mb",)) for k in sorted(extra))
+                hints = "".join(self._suggest(k, sorted(accepted)) for k in sorted(extra))
+                listed = ", ".join(["type", *sorted(accepted)])
                 self.fail(("gradient_handler",), f"unknown option(s) {sorted(extra)} for {item['type']}",
-                          f"remove them{hints} (accepted: type, bucket_size_mb)")
+                          f"remove them{hints} (accepted: {listed})")
 
     def parallel(self, value):
         if not isinstance(value, dict):
@@ -295,6 +302,22 @@ def _apex_fix(opt_level) -> str:
     if level in ("O2", "O3"):
         return f"write mode=AMP_TYPE.NAIVE (fp16 weights with fp32 master weights, like apex {level}) and drop opt_level"
     return "use AMP_TYPE.TORCH (torch autocast + GradScaler, the same O1 behaviour) or AMP_TYPE.NAIVE (O3-like)"
+
+
+def registered_handlers() -> List[str]:
+    """The gradient handler types a config may name now: the built-in one, then those registered, sorted."""
+    return list(GRADIENT_HANDLERS) + [n for n in GRADIENT_HANDLER.names() if n not in GRADIENT_HANDLERS]
+
+
+def _handler_options(name: str) -> Optional[set]:
+    """The options (besides ``type``) a handler's entry may give: its constructor's keyword arguments other than
+    ``model`` and ``optimizer``, which the engine passes; None when it takes any (``**kwargs``)."""
+    if name == "DataParallelGradientHandler":
+        return {"bucket_size_mb"}
+    params = inspect.signature(GRADIENT_HANDLER.get_module(name)).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"model", "optimizer"}
 
 
 def _handler_fix(entries) -> str:

@@ -1,5 +1,7 @@
 from .accumulation import AccumulationDataLoader, AccumulationWindow
 from .engine import Engine, EngineLRScheduler
+from .gradient_handler import BaseGradientHandler, DataParallelGradientHandler
 from .schedule import NonPipelineSchedule
 
-__all__ = ["Engine", "EngineLRScheduler", "NonPipelineSchedule", "AccumulationWindow", "AccumulationDataLoader"]
+__all__ = ["Engine", "EngineLRScheduler", "NonPipelineSchedule", "AccumulationWindow", "AccumulationDataLoader",
+           "BaseGradientHandler", "DataParallelGradientHandler"]

@@ -2,12 +2,13 @@
 
 ``SingleProcess`` (world size 1), ``DDPStrategy`` (torch DistributedDataParallel),
 ``AllReduceStrategy`` (bucketed gradient all-reduce in ``engine.step``, the legacy
-``DataParallelGradientHandler``). Each gives ``setup``, ``no_sync``, ``reduce_gradients``,
+``DataParallelGradientHandler``), ``HandlerStrategy`` (the config's gradient handlers, built from the
+``GRADIENT_HANDLER`` registry, called in ``engine.step``). Each gives ``setup``, ``no_sync``, ``reduce_gradients``,
 ``clip_grad_norm_`` and ``unwrap``.
 """
 from __future__ import annotations
 
-from typing import Iterable, List
+from typing import Iterable, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from torch import nn
 from ..amp.precision import NULL_CONTEXT
 from ..checkpoint.model_state import load_model_state
 from ..core.dist import world_size
+from ..registry import GRADIENT_HANDLER
 
 
 def broadcast_module(module: nn.Module, src: int = 0):
@@ -145,3 +147,22 @@ class AllReduceStrategy(SingleProcess):
             n = g.numel()
             g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
+
+
+class HandlerStrategy(SingleProcess):
+    """The config's ``gradient_handler`` entries, built from the ``GRADIENT_HANDLER`` registry with the model and
+    optimizer as ``setup`` receives them; ``reduce_gradients`` calls each one's ``handle_gradient()`` in order,
+    once per optimizer update on every rank, before clipping. No DDP: the handlers are the gradient sync."""
+
+    def __init__(self, configs: Sequence[dict]):
+        self.configs = [dict(c) for c in configs]
+        self.handlers: list = []
+        self.name = "gradient handlers (" + ", ".join(str(c["type"]) for c in self.configs) + ")"
+
+    def setup(self, model, optimizer):
+        self.handlers = [GRADIENT_HANDLER.build(c, model=model, optimizer=optimizer) for c in self.configs]
+        return model, optimizer
+
+    def reduce_gradients(self, model):
+        for handler in self.handlers:
+            handler.handle_gradient()

@@ -1,4 +1,5 @@
 """Hooks for ``Trainer.fit`` / ``Trainer.evaluate`` (the legacy ``colossalai.trainer.hooks``)."""
+from ...registry import HOOKS
 from ._base_hook import BaseHook
 from ._checkpoint_hook import LoadCheckpointHook, SaveCheckpointHook
 from ._early_stopping import EarlyStoppingHook
@@ -24,3 +25,10 @@ __all__ = [
     "EarlyStoppingHook", "MixUp", "LogByEpochHook", "SaveCheckpointHook", "LoadCheckpointHook",
     "Metric", "LossMetric", "AccuracyMetric", "LearningRateMetric", "ThroughputMetric",
 ]
+
+# legacy registered every built-in hook, so a config or builder can name one: HOOKS.get_module('LossHook')
+for _hook in (LossHook, AccuracyHook, LRSchedulerHook, LogMetricByStepHook, LogMetricByEpochHook, TensorboardHook,
+              LogTimingByEpochHook, LogMemoryByEpochHook, ThroughputHook, EarlyStoppingHook, MixUp,
+              SaveCheckpointHook, LoadCheckpointHook):
+    HOOKS.register_module(_hook)
+del _hook
