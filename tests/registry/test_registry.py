@@ -106,3 +106,11 @@ def test_torchvision_is_imported_only_when_a_lookup_needs_it():
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "resnet18"
+
+
+def test_the_legacy_optimizers_are_registered_by_name():
+    import colossal_lite.nn  # noqa: F401  (registers them, as legacy's import did)
+    from colossal_lite.nn.optimizer import Lamb, Lars
+    from colossal_lite.registry import OPTIMIZERS
+
+    assert OPTIMIZERS.get_module("Lamb") is Lamb and OPTIMIZERS.get_module("Lars") is Lars

@@ -4,8 +4,14 @@
 multi-tensor kernels) with the legacy signatures; ``Lamb``, ``FusedLAMB`` and ``Lars`` are written here from
 the published algorithms. All are ``torch.optim.Optimizer`` subclasses.
 """
+from ...registry import OPTIMIZERS
 from ._torch_backed import CPUAdam, FusedAdam, FusedSGD, HybridAdam
 from .lamb import FusedLAMB, Lamb
 from .lars import Lars
 
 __all__ = ["Lamb", "Lars", "FusedSGD", "FusedAdam", "FusedLAMB", "HybridAdam", "CPUAdam"]
+
+# legacy registered its optimizers, so a config or builder can name one: OPTIMIZERS.get_module('Lamb')
+for _optimizer in (Lamb, Lars, FusedSGD, FusedAdam, FusedLAMB, HybridAdam, CPUAdam):
+    OPTIMIZERS.register_module(_optimizer)
+del _optimizer
