@@ -192,6 +192,11 @@ def convert_to_naive_amp(model: nn.Module, optimizer: torch.optim.Optimizer, amp
     ``amp_config``: the loss scaler's ``initial_scale``, ``growth_factor``, ``backoff_factor``,
     ``growth_interval``, ``hysteresis``, ``min_scale``, ``max_scale``, ``dynamic_grad_scale``, ``verbose``, and
     ``clip_grad_norm`` (applied to the true-valued fp32 gradients at each ``step``)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        # DDP made its gradient buckets for the fp32 parameters; cast to fp16 under it, the ranks' gradients
+        # would no longer meet, and the ranks would drift apart without an error
+        raise ValueError("convert_to_naive_amp got a DistributedDataParallel model: convert the plain model first, "
+                         "then wrap the returned model in DDP (as initialize does)")
     options = dict(amp_config or {})
     clip = options.pop("clip_grad_norm", 0.0)
     precision = NaiveAMPPrecision(**_options(NaiveAMPPrecision, options, "AMP_TYPE.NAIVE"))
