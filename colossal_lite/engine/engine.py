@@ -36,7 +36,8 @@ class _Criterion:
                                "pass criterion=torch.nn.CrossEntropyLoss() (or your loss) to initialize")
         with engine.precision.autocast():
             result = engine._criterion(*args, **kwargs)
-        return engine.reduction.criterion_result(result)
+        # only a pair can carry a token count for the reduction: ``(loss_sum, num_tokens)``
+        return engine.reduction.criterion_result(result) if isinstance(result, tuple) else result
 
     @property
     def wrapped(self):

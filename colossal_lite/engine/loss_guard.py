@@ -80,7 +80,7 @@ class RaiseOnNonFinite(IgnoreNonFinite):
         self._updates = 0  # optimizer steps so far (the engine's count: set by start_counting_at)
 
     def watch(self, loss: torch.Tensor) -> None:
-        value = _loss_value(loss)
+        value = loss.data if not loss.ndim else loss.data.sum()  # (``_loss_value``, on the default guard's path)
         if self._ring is None:  # on the loss's device, at the first micro-step
             self._allocate(value.device)
         i = self._watched % self.ring_size

@@ -26,7 +26,7 @@ class MeanReduction:
     name = "mean"
 
     def criterion_result(self, result: Any) -> Any:
-        """What ``engine.criterion`` returns for the criterion's ``result``."""
+        """What ``engine.criterion`` returns for the criterion's ``result`` when it is a tuple."""
         return result
 
     def __init__(self):

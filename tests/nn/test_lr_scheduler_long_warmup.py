@@ -114,3 +114,40 @@ def test_two_epoch_trainer_run_with_a_longer_warmup_like_the_vit_example():
     # after epoch e the scheduler has stepped e + 1 times: the warm-up line at t = e + 1
     assert seen == pytest.approx([legacy_linear_warmup(e + 1, 0.1, warmup_epochs) for e in range(num_epochs)],
                                  rel=1e-12)
+
+
+def _vit_like_run_on_a_rank(rank, world_size, port, results):
+    colossal_lite.launch(config={}, rank=rank, world_size=world_size, host="127.0.0.1", port=port, backend="gloo",
+                         seed=0, verbose=False)
+    try:
+        model = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scheduler = LinearWarmupLR(optimizer, total_steps=2, warmup_steps=5)
+        data = [(torch.randn(4, 4), torch.randint(0, 2, (4,))) for _ in range(3)]
+        engine, loader, _, scheduler = colossal_lite.initialize(model, optimizer, nn.CrossEntropyLoss(), data,
+                                                                lr_scheduler=scheduler, verbose=False)
+        seen = []
+
+        class Probe(hooks.BaseHook):
+            def __init__(self):
+                super().__init__(priority=1000)
+
+            def after_train_epoch(self, trainer):
+                seen.append(optimizer.param_groups[0]["lr"])
+
+        Trainer(engine).fit(loader, epochs=2, hooks=[hooks.LRSchedulerHook(scheduler, by_epoch=True), Probe()])
+        results.put((rank, seen))
+    finally:
+        colossal_lite.core.global_context.destroy()
+
+
+def test_a_longer_warmup_on_two_ranks_follows_the_same_line_on_each():
+    from colossal_lite.testing import spawn
+
+    results = torch.multiprocessing.get_context("spawn").SimpleQueue()
+    spawn(_vit_like_run_on_a_rank, nprocs=2, results=results)
+    found = sorted(results.get() for _ in range(2))
+    for rank, seen in found:
+        assert seen == pytest.approx([legacy_linear_warmup(e + 1, 0.1, 5) for e in range(2)], rel=1e-12), rank
