@@ -25,13 +25,10 @@ from ..utils.data import batches_per_epoch
 class MicroBatch(NamedTuple):
     """One micro-batch's place in its accumulation window."""
 
-    divisor: int  # micro-batches in its window: a mean loss is divided by this
+    divisor: int  # micro-batches in its window: a mean loss is weighed by 1 / divisor
     first: bool  # it opens the window (gradients are cleared before it)
     last: bool  # it closes the window (the optimizer steps after it)
     correction: float = 1.0  # gradient factor at the step, for a window an unsized loader's epoch cut short
-
-
-WHOLE_BATCH = MicroBatch(1, True, True)  # no accumulation
 
 
 class AccumulationWindow:
