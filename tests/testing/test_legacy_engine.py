@@ -82,7 +82,10 @@ def run_train(model_name, amp_mode):
         else:
             loss = engine(data, label)
         engine.backward(loss)
-        engine.step()
+        updated = engine.step()
+        # (the port's own checks: legacy's test only ran the step)
+        assert torch.isfinite(loss).all(), f"{model_name}, {amp_mode}: loss {loss}"
+        assert updated or engine.loss_scale is not None, f"{model_name}, {amp_mode}: no update and no loss scaler"
         break
 
 
