@@ -51,18 +51,19 @@ def _info() -> int:
     return 0
 
 
-def _check(path: str, world_size: int = 1) -> int:
+def _check(path: str, world_size: int = 1, overrides: Optional[List[str]] = None) -> int:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            config = load_config(path)
+            config = load_config(path, overrides)
             resolve_batch_sizes(config, world_size)
     except (ConfigException, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
-    print(f"{path}: OK. This config switches on:")
+    given = "".join(f" --set {o}" for o in overrides or ())
+    print(f"{path}{given}: OK. This config switches on:")
     for line in describe_features(config, world_size):
         print(f"  - {line}")
     user = sorted(k for k in config if isinstance(k, str) and k.isupper())
@@ -82,12 +83,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("config", help="path to a config .py file")
     p.add_argument("--world-size", type=int, default=1,
                    help="data-parallel size to check the batch-size arithmetic against (default 1)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value first, as a training script's --set does (repeatable)")
     ckpt_cli.register(sub)
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
     if args.command == "check":
-        return _check(args.config, args.world_size)
+        return _check(args.config, args.world_size, args.set)
     if args.command == "ckpt":
         return ckpt_cli.run(args)
     return 2

@@ -10,7 +10,7 @@ import os
 import signal
 import time
 import uuid
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,8 @@ DEFAULT_TIMEOUT_S = float(DEFAULTS["dist_timeout"])
 
 
 def get_default_parser() -> argparse.ArgumentParser:
-    """The legacy command-line parser: --config --host --port --world_size --rank --local_rank --backend."""
+    """The legacy command-line parser: --config --host --port --world_size --rank --local_rank --backend, and
+    ``--set KEY=VALUE`` (repeatable) for config overrides: pass ``args.set`` as ``launch*(..., overrides=...)``."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", type=str, help="path to the config file")
     parser.add_argument("--host", type=str, help="the master address for distributed training")
@@ -35,6 +36,9 @@ def get_default_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rank", type=int, help="rank for the default process group")
     parser.add_argument("--local_rank", type=int, help="local rank on the node")
     parser.add_argument("--backend", type=str, default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value (repeatable): dotted keys reach into dicts (fp16.mode=bf16, "
+                             "zero.stage=2), values are Python literals or else plain strings")
     return parser
 
 
@@ -46,13 +50,15 @@ def _init_method(host: str, port: int) -> str:
 
 
 def launch(config, rank: int, world_size: int, host: str, port: int, backend: Optional[str] = None,
-           local_rank: Optional[int] = None, seed: int = 1024, verbose: bool = True, timeout: Optional[float] = None):
+           local_rank: Optional[int] = None, seed: int = 1024, verbose: bool = True, timeout: Optional[float] = None,
+           overrides: Optional[Sequence[str]] = None):
     """Start ``world_size`` processes' group at ``host:port`` as ``rank``; returns ``gpc``.
 
     ``backend=None`` picks nccl with CUDA, gloo otherwise. ``timeout`` (seconds; default the
-    config's ``dist_timeout`` or 300) bounds the wait for missing peers.
+    config's ``dist_timeout`` or 300) bounds the wait for missing peers. ``overrides`` (``KEY=VALUE``
+    strings, as ``--set`` gives them) are applied to the config before it is checked.
     """
-    cfg = load_config(config)
+    cfg = load_config(config, overrides)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size): got rank={rank}, world_size={world_size}")
     resolve_batch_sizes(cfg, world_size)  # before any process group starts
@@ -163,7 +169,7 @@ def _welcome_every_rank(store: dist.Store, name: str, world_size: int, deadline:
 
 
 def launch_from_torch(config, backend: Optional[str] = None, seed: int = 1024, verbose: bool = True,
-                      timeout: Optional[float] = None):
+                      timeout: Optional[float] = None, overrides: Optional[Sequence[str]] = None):
     """Launch from the variables ``torch.distributed.run`` sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT).
 
     Run as a plain ``python script.py`` (no such variables) it launches a single process.
@@ -171,7 +177,7 @@ def launch_from_torch(config, backend: Optional[str] = None, seed: int = 1024, v
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     # MASTER_ADDR/MASTER_PORT alone (often exported cluster-wide) do not make this a torchrun process
     if not any(n in os.environ for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
-        config = load_config(config)  # validate (and read the file) once, before the note
+        config = load_config(config, overrides)  # validate (and read the file) once, before the note
         if verbose:
             get_dist_logger().info("No torchrun environment found (RANK, WORLD_SIZE, ...): running as a single process. "
                                    "Use `python -m torch.distributed.run --nproc_per_node N script.py` for N processes.",
@@ -184,7 +190,8 @@ def launch_from_torch(config, backend: Optional[str] = None, seed: int = 1024, v
                            f"Start the script with `python -m torch.distributed.run --nproc_per_node N script.py`")
     return launch(config, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                   host=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), backend=backend,
-                  local_rank=int(os.environ["LOCAL_RANK"]), seed=seed, verbose=verbose, timeout=timeout)
+                  local_rank=int(os.environ["LOCAL_RANK"]), seed=seed, verbose=verbose, timeout=timeout,
+                  overrides=overrides)
 
 
 def under_torchrun() -> bool:
@@ -212,7 +219,8 @@ def preemption_exit_note(signum: int, status: int) -> str:
             f"Run the same command again {resume}")
 
 
-def _launch_from_env(kind: str, config, host, port, rank_var, size_var, local_var, backend, seed, verbose, timeout):
+def _launch_from_env(kind: str, config, host, port, rank_var, size_var, local_var, backend, seed, verbose, timeout,
+                     overrides):
     try:
         rank, world_size = int(os.environ[rank_var]), int(os.environ[size_var])
     except KeyError as e:
@@ -220,21 +228,22 @@ def _launch_from_env(kind: str, config, host, port, rank_var, size_var, local_va
                            f"or use launch_from_torch with torchrun") from None
     local_rank = int(os.environ[local_var]) if local_var and local_var in os.environ else None
     return launch(config, rank=rank, world_size=world_size, host=host, port=port, backend=backend,
-                  local_rank=local_rank, seed=seed, verbose=verbose, timeout=timeout)
+                  local_rank=local_rank, seed=seed, verbose=verbose, timeout=timeout, overrides=overrides)
 
 
 def launch_from_slurm(config, host: str, port: int, backend: Optional[str] = None, seed: int = 1024,
-                      verbose: bool = True, timeout: Optional[float] = None):
+                      verbose: bool = True, timeout: Optional[float] = None, overrides: Optional[Sequence[str]] = None):
     """Launch from SLURM's SLURM_PROCID / SLURM_NPROCS (and SLURM_LOCALID when set)."""
     return _launch_from_env("SLURM", config, host, port, "SLURM_PROCID", "SLURM_NPROCS", "SLURM_LOCALID",
-                            backend, seed, verbose, timeout)
+                            backend, seed, verbose, timeout, overrides)
 
 
 def launch_from_openmpi(config, host: str, port: int, backend: Optional[str] = None, seed: int = 1024,
-                        verbose: bool = True, timeout: Optional[float] = None):
+                        verbose: bool = True, timeout: Optional[float] = None,
+                        overrides: Optional[Sequence[str]] = None):
     """Launch from OpenMPI's OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK."""
     return _launch_from_env("OpenMPI", config, host, port, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                            "OMPI_COMM_WORLD_LOCAL_RANK", backend, seed, verbose, timeout)
+                            "OMPI_COMM_WORLD_LOCAL_RANK", backend, seed, verbose, timeout, overrides)
 
 
 __all__ = ["launch", "launch_from_torch", "launch_from_slurm", "launch_from_openmpi", "get_default_parser",

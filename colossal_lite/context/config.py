@@ -77,12 +77,10 @@ class Config(dict):
     # -- source tracking, used by error messages -------------------------------------------
     # (underscore names only: a public attribute here would hide a user's key of that name)
     def _where(self, *path: str) -> str:
-        """``file:line`` of the key at ``path`` when known, else the file, else ``<dict config>``."""
+        """``file:line`` of the key at ``path`` when known, else the file, else ``<dict config>``; the ``--set``
+        override that set it for a config given overrides (``OverriddenSource``)."""
         src = self._source
-        if src is None:
-            return "<dict config>"
-        line = src.line_of(path)
-        return f"{src.path}:{line}" if line else str(src.path)
+        return "<dict config>" if src is None else src.where(path)
 
     @staticmethod
     def from_file(filename) -> "Config":
@@ -95,6 +93,10 @@ class ConfigSource:
     def __init__(self, path: Path, lines: Dict[Tuple[str, ...], int]):
         self.path = path
         self.lines = lines
+
+    def where(self, path: Tuple[str, ...]) -> str:
+        line = self.line_of(path)
+        return f"{self.path}:{line}" if line else str(self.path)
 
     def line_of(self, path: Tuple[str, ...]) -> Optional[int]:
         # the deepest known prefix of the key path

@@ -10,7 +10,7 @@ import inspect
 import numbers
 import warnings
 from pathlib import Path
-from typing import Callable, List, Optional, Union
+from typing import Callable, Iterable, List, Optional, Union
 
 from ..amp.amp_type import AMP_TYPE
 from ..logging import get_dist_logger
@@ -18,6 +18,7 @@ from ..registry import GRADIENT_HANDLER
 from .config import Config, ConfigException
 from .defaults import BF16_OPTIONS, DEFAULTS, NAIVE_AMP_OPTIONS, TORCH_AMP_OPTIONS, ZERO_OPTIONS
 from .hints import amp_mode_meant, as_bool, as_choice, as_number, as_positive_int, as_positive_number, as_seconds, py
+from .overrides import apply_overrides
 
 # Older Colossal-AI examples write zero = dict(level=2, cpu_offload=True, verbose=False): today's name of each
 # (None: the key has no effect and is dropped).
@@ -389,8 +390,11 @@ def validate_config(config: Config) -> List[str]:
     return notes
 
 
-def load_config(config: Union[str, Path, dict, Config, None]) -> Config:
-    """A path to a ``.py`` file, a dict or a Config -> a validated ``Config``."""
+def load_config(config: Union[str, Path, dict, Config, None], overrides: Optional[Iterable[str]] = None) -> Config:
+    """A path to a ``.py`` file, a dict or a Config, with ``--set KEY=VALUE`` ``overrides`` -> a validated ``Config``.
+
+    The overrides are applied before the check, so a wrong one is refused like a wrong line, naming the override.
+    """
     if config is None:
         config = Config()
     elif isinstance(config, (str, Path)):
@@ -399,6 +403,7 @@ def load_config(config: Union[str, Path, dict, Config, None]) -> Config:
         config = Config(config)
     else:
         raise TypeError(f"config must be a path to a .py file, a dict or a Config, got {type(config).__name__}")
+    config = apply_overrides(config, overrides)
     validate_config(config)
     return config
 

@@ -1,0 +1,171 @@
+"""``--set KEY=VALUE`` config overrides: parsing, applying, the errors that name them, ``launch_from_torch`` under
+torchrun with the parser's ``--set``, ``colossal-lite check --set`` and the docs' example."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from dist_helpers import REPO, run_torchrun
+
+import colossal_lite
+from colossal_lite.context import Config, ConfigException
+from colossal_lite.context.overrides import apply_overrides, parse_override
+from colossal_lite.context.validation import load_config
+
+CONFIG = "BATCH_SIZE = 8\nclip_grad_norm = 1.0\nfp16 = None\nzero = dict(\n    stage=2,\n)\n"
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "config.py"
+    path.write_text(CONFIG)
+    return path
+
+
+@pytest.mark.parametrize("text, path, value", [
+    ("BATCH_SIZE=64", ("BATCH_SIZE",), 64),
+    ("zero.stage=2", ("zero", "stage"), 2),
+    ("fp16.mode=bf16", ("fp16", "mode"), "bf16"),               # not a literal: the plain string
+    ("clip_grad_norm=1e-1", ("clip_grad_norm",), 0.1),
+    ("torch_ddp.find_unused_parameters=True", ("torch_ddp", "find_unused_parameters"), True),
+    ("fp16=None", ("fp16",), None),
+    ("MILESTONES=[200, 500]", ("MILESTONES",), [200, 500]),
+    ("NAME='a=b'", ("NAME",), "a=b"),                           # only the first '=' splits
+    ("NAME=two words", ("NAME",), "two words"),
+    (" LR = 0.5 ", ("LR",), 0.5),
+    ("EMPTY=", ("EMPTY",), ""),
+])
+def test_parse_override_reads_dotted_keys_and_literals(text, path, value):
+    assert parse_override(text) == (path, value)
+
+
+def test_overrides_set_dotted_keys_in_order_and_leave_the_given_config_alone(config_file):
+    original = Config.from_file(config_file)
+    config = load_config(original, ["fp16.mode=bf16", "zero.stage=3", "BATCH_SIZE=64", "BATCH_SIZE=128",
+                                    "zero.offload_optimizer=True"])
+    assert config.BATCH_SIZE == 128                                   # a later override wins
+    assert config.fp16 == {"mode": "bf16"} and config.fp16.mode == "bf16"  # a None value became a dict
+    assert config.zero == {"stage": 3, "offload_optimizer": True}     # the file's dict, changed key by key
+    assert load_config({}, ["torch_ddp.find_unused_parameters=True"]).torch_ddp == {"find_unused_parameters": True}
+    assert config.clip_grad_norm == 1.0
+    assert original.BATCH_SIZE == 8 and original.zero == {"stage": 2} and original.fp16 is None
+    assert load_config(original, []) == original and apply_overrides(original, None) is original
+
+
+def test_a_misspelt_override_is_refused_naming_the_override(config_file):
+    with pytest.raises(ConfigException) as e:
+        load_config(str(config_file), ["clip_grad_nrom=1.0"])
+    assert str(e.value).startswith("--set clip_grad_nrom=1.0: config key 'clip_grad_nrom': is not a colossal_lite "
+                                   "config key"), e.value
+    assert "rename it to 'clip_grad_norm'" in str(e.value)
+
+
+def test_a_bad_override_value_is_refused_like_a_config_line(config_file):
+    with pytest.raises(ConfigException, match=r"^--set fp16\.mode=bf17: config key 'fp16\.mode': unknown precision "
+                                              r"mode 'bf17'\. Fix: write mode=AMP_TYPE\.BF16"):
+        load_config(config_file, ["fp16.mode=bf17"])
+    with pytest.raises(ConfigException, match=r"^--set zero\.stage=0: config key 'zero\.stage'"):
+        load_config({"zero": {"stage": 2}}, ["zero.stage=0"])
+    # a key of the file made wrong by overrides inside it names the line and the overrides
+    with pytest.raises(ConfigException) as e:
+        load_config(config_file, ["zero.stage=1", "zero.offload_optimizer=True"])
+    assert str(e.value).startswith(f"{config_file}:4 (with --set zero.stage=1, --set zero.offload_optimizer=True): "
+                                   f"config key 'zero'"), e.value
+    # the file's own mistakes keep their line
+    path = config_file.parent / "bad.py"
+    path.write_text("BATCH_SIZE = 8\ngradient_clipping = 1.0\n")
+    with pytest.raises(ConfigException, match=rf"^{re.escape(str(path))}:2: config key 'gradient_clipping'"):
+        load_config(path, ["BATCH_SIZE=16"])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("zero", r"^--set zero: no '=' in the override\. Fix: write --set KEY=VALUE"),
+    ("=1", r"^--set =1: the key '' has an empty part"),
+    ("fp16..mode=bf16", r"^--set fp16\.\.mode=bf16: the key 'fp16\.\.mode' has an empty part"),
+    (".stage=2", r"^--set \.stage=2: the key '\.stage' has an empty part"),
+    ("clip_grad_norm.max=1", r"^--set clip_grad_norm\.max=1: cannot set 'clip_grad_norm\.max' because "
+                             r"'clip_grad_norm' is float 1\.0, not a dict\. Fix: set 'clip_grad_norm' itself"),
+    ("zero.stage.x=1", r"^--set zero\.stage\.x=1: cannot set 'zero\.stage\.x' because 'zero\.stage' is int 2"),
+])
+def test_malformed_overrides_are_refused(config_file, text, message):
+    with pytest.raises(ConfigException, match=message):
+        load_config(config_file, [text])
+
+
+def test_the_default_parser_collects_repeated_set():
+    parser = colossal_lite.get_default_parser()
+    args = parser.parse_args(["--config", "c.py", "--set", "zero.stage=2", "--set", "BATCH_SIZE=64"])
+    assert args.set == ["zero.stage=2", "BATCH_SIZE=64"]
+    assert parser.parse_args([]).set == []
+
+
+LAUNCH_SCRIPT = """\
+import json
+import colossal_lite
+from colossal_lite.core import global_context as gpc
+
+args = colossal_lite.get_default_parser().parse_args()
+colossal_lite.launch_from_torch(config=args.config, overrides=args.set, verbose=False)
+seen = dict(rank=gpc.get_global_rank(), world=gpc.get_world_size(), BATCH_SIZE=gpc.config.BATCH_SIZE,
+            fp16=dict(gpc.config.fp16), zero=dict(gpc.config.zero), clip=gpc.config.clip_grad_norm)
+print("SEEN " + json.dumps(seen), flush=True)
+"""
+
+
+def test_launch_from_torch_applies_the_parsers_set_on_every_rank(tmp_path, config_file):
+    script = tmp_path / "train.py"
+    script.write_text(LAUNCH_SCRIPT)
+    proc = run_torchrun(script, ["--config", config_file, "--set", "fp16.mode=bf16", "--set", "zero.stage=1",
+                                 "--set", "BATCH_SIZE=64"], nproc=2, cwd=tmp_path)
+    seen = sorted((json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("SEEN ")),
+                  key=lambda s: s["rank"])
+    assert [s["rank"] for s in seen] == [0, 1], proc.stdout
+    for s in seen:
+        assert (s["world"], s["BATCH_SIZE"], s["fp16"], s["zero"], s["clip"]) == (2, 64, {"mode": "bf16"},
+                                                                                  {"stage": 1}, 1.0)
+
+
+def test_launch_from_torch_refuses_a_misspelt_override_before_starting(tmp_path, config_file):
+    script = tmp_path / "train.py"
+    script.write_text(LAUNCH_SCRIPT)
+    proc = run_torchrun(script, ["--config", config_file, "--set", "clip_grad_nrom=1.0"], nproc=2, cwd=tmp_path,
+                        check=False)
+    assert proc.returncode != 0
+    assert "--set clip_grad_nrom=1.0: config key 'clip_grad_nrom'" in proc.stderr, proc.stderr[-3000:]
+    assert "SEEN" not in proc.stdout
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "colossal_lite.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def test_cli_check_shows_the_overridden_config(tmp_path, config_file):
+    proc = run_cli("check", config_file, "--set", "fp16.mode=bf16", "--set", "gradient_accumulation=4",
+                   "--set", "BATCH_SIZE=64", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith(f"{config_file} --set fp16.mode=bf16 --set gradient_accumulation=4 --set BATCH_SIZE=64: OK")
+    assert "precision: bf16 autocast" in out
+    assert "gradient accumulation: 4 micro-batches per optimizer step" in out
+    assert "your own values: BATCH_SIZE=64" in out
+
+    bad = run_cli("check", config_file, "--set", "clip_grad_nrom=1.0", cwd=tmp_path)
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr.startswith("error: --set clip_grad_nrom=1.0: config key 'clip_grad_nrom'"), bad.stderr
+    assert "Traceback" not in bad.stderr
+    malformed = run_cli("check", config_file, "--set", "zero", cwd=tmp_path)
+    assert malformed.returncode == 1 and malformed.stderr.startswith("error: --set zero: no '='"), malformed.stderr
+
+
+def test_the_docs_example_runs_under_torchrun(tmp_path, config_file):
+    text = (REPO / "docs" / "config.md").read_text()
+    section = text[text.index("## Overriding from the command line"):]
+    section = section[:section.index("\n## ")]
+    snippet = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    (tmp_path / "train.py").write_text(snippet)
+    proc = run_torchrun(tmp_path / "train.py", ["--config", config_file, "--set", "fp16.mode=bf16",
+                                                "--set", "BATCH_SIZE=64"], nproc=2, cwd=tmp_path)
+    for rank in (0, 1):
+        assert f"rank {rank}: BATCH_SIZE=64 fp16={{'mode': 'bf16'}}" in proc.stdout, proc.stdout
