@@ -5,7 +5,7 @@ With no process group (a plain single-process run) they return at once and commu
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..logging import DistributedLogger, get_dist_logger
 
 __all__ = ["is_distributed", "world_size", "rank", "is_rank_0", "broadcast_object", "all_agree", "all_reduce_sum_",
-           "all_reduce_min_", "log_rank_0"]
+           "all_reduce_min_", "all_gather_rows", "log_rank_0"]
 
 
 def is_distributed() -> bool:
@@ -54,6 +54,24 @@ def all_reduce_min_(tensor: torch.Tensor) -> torch.Tensor:
     if world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return tensor
+
+
+def all_gather_rows(tensor: torch.Tensor) -> List[torch.Tensor]:
+    """Every rank's ``tensor``, in rank order; the ranks' tensors may differ in their first dimension (the rest
+    of the shape and the dtype must agree). Each is padded to the longest for the collective, then cut back."""
+    if world_size() == 1:
+        return [tensor]
+    rows = torch.tensor([tensor.shape[0]], device=tensor.device)
+    counts = [torch.zeros_like(rows) for _ in range(world_size())]
+    dist.all_gather(counts, rows)
+    counts = [int(c.item()) for c in counts]
+    longest = max(counts)
+    padded = tensor.contiguous()
+    if tensor.shape[0] < longest:
+        padded = torch.cat([padded, padded.new_zeros((longest - tensor.shape[0],) + tuple(tensor.shape[1:]))])
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded)
+    return [part[:n] for part, n in zip(parts, counts)]
 
 
 def all_agree(ok: bool, device: Optional[torch.device] = None) -> bool:

@@ -20,6 +20,7 @@ from ..engine.step import make_train_step
 from ..logging import DistributedLogger, get_dist_logger
 from ..utils.data import DataParallelSampler, batches_per_epoch, skip_batches
 from ..utils.timer import MultiTimer
+from ._predict import is_loader, predict_loader
 from .checkpointing import CheckpointSession, checkpoint_round_trip
 from .events import Event
 from .hooks._base_hook import BaseHook
@@ -608,13 +609,22 @@ class Trainer:
             count += 1
 
     # -- predict -----------------------------------------------------------------------------------
-    def predict(self, data: Any):
-        """The model's output for one batch of inputs (a tensor, or a list/tuple/dict spread into the model)."""
+    def predict(self, data: Any, loader: Optional[bool] = None):
+        """The model's output, in eval mode under ``torch.no_grad`` (the mode is put back afterwards).
+
+        ``data`` is one batch of inputs (a tensor, or a list/tuple/dict spread into the model) or a loader (a
+        DataLoader, a generator, or a list of batches; ``loader=True``/``False`` says which when a list could be
+        either). Over a loader each batch is split by the schedule as in evaluation, the outputs are joined
+        along the first dimension, and with a distributed sampler they are gathered from every rank (a
+        collective: every rank must call it) into one row per sample, in dataset order, the sampler's padding
+        removed."""
         engine = self._engine
         was_training = engine.training
         engine.eval()
         try:
             with torch.no_grad():
+                if is_loader(data) if loader is None else loader:
+                    return predict_loader(engine, data)
                 return call_with(engine, move_to_device(data, engine.device))
         finally:
             if was_training:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
@@ -76,6 +76,10 @@ class DataParallelSampler(Sampler):
         if self._epoch_set or not self._iterated:
             return self.epoch
         return self.epoch + 1
+
+    def upcoming_indices(self) -> List[int]:
+        """The dataset indices the next iteration will yield, in order, without starting it."""
+        return self.indices(self.next_epoch())[self._pending or 0:]
 
     def __iter__(self) -> Iterator[int]:
         self.epoch = self.next_epoch()

@@ -3,6 +3,7 @@ from ...registry import HOOKS
 from ._base_hook import BaseHook
 from ._checkpoint_hook import LoadCheckpointHook, SaveCheckpointHook
 from ._early_stopping import EarlyStoppingHook
+from ._ema import EMAHook
 from ._log_hook import LogByEpochHook, LogMemoryByEpochHook, LogMetricByEpochHook, LogTimingByEpochHook, TensorboardHook
 from ._metric_hook import (
     AccuracyHook,
@@ -22,13 +23,13 @@ from ._mixup import MixUp
 __all__ = [
     "BaseHook", "MetricHook", "LossHook", "AccuracyHook", "LRSchedulerHook", "LogMetricByStepHook",
     "LogMetricByEpochHook", "TensorboardHook", "LogTimingByEpochHook", "LogMemoryByEpochHook", "ThroughputHook",
-    "EarlyStoppingHook", "MixUp", "LogByEpochHook", "SaveCheckpointHook", "LoadCheckpointHook",
+    "EarlyStoppingHook", "EMAHook", "MixUp", "LogByEpochHook", "SaveCheckpointHook", "LoadCheckpointHook",
     "Metric", "LossMetric", "AccuracyMetric", "LearningRateMetric", "ThroughputMetric",
 ]
 
 # legacy registered every built-in hook, so a config or builder can name one: HOOKS.get_module('LossHook')
 for _hook in (LossHook, AccuracyHook, LRSchedulerHook, LogMetricByStepHook, LogMetricByEpochHook, TensorboardHook,
-              LogTimingByEpochHook, LogMemoryByEpochHook, ThroughputHook, EarlyStoppingHook, MixUp,
+              LogTimingByEpochHook, LogMemoryByEpochHook, ThroughputHook, EarlyStoppingHook, EMAHook, MixUp,
               SaveCheckpointHook, LoadCheckpointHook):
     HOOKS.register_module(_hook)
 del _hook

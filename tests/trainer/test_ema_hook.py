@@ -1,0 +1,126 @@
+"""EMAHook: the average follows every applied step, evaluation runs on it, and a resumed run's average is the
+uninterrupted run's."""
+import copy
+import re
+
+import pytest
+import torch
+from dist_helpers import REPO, run_python
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from colossal_lite.engine.engine import Engine
+from colossal_lite.trainer import Trainer
+from colossal_lite.trainer.hooks import BaseHook, EMAHook, LoadCheckpointHook, LossHook, SaveCheckpointHook
+from colossal_lite.utils import get_dataloader
+
+
+def dataset(n=40):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = Engine(model, opt, nn.CrossEntropyLoss())
+    return model, engine, get_dataloader(dataset(), shuffle=True, seed=7, batch_size=4)
+
+
+class Weights(BaseHook):
+    """The live weights after every applied step, and the outputs evaluation produced."""
+
+    def __init__(self, model):
+        super().__init__(priority=50)
+        self.model, self.after_steps, self.eval_outputs = model, [], []
+
+    def after_optimizer_step(self, trainer):
+        if trainer.state.updated:
+            self.after_steps.append([t.detach().clone() for t in self.model.state_dict().values()])
+
+    def after_test_iter(self, trainer, output, label, loss):
+        self.eval_outputs.append(output.detach().clone())
+
+
+def test_the_average_follows_every_applied_step():
+    model, engine, loader = build()
+    ema, weights = EMAHook(decay=0.9), Weights(model)
+    Trainer(engine).fit(loader, epochs=2, hooks=[ema, weights])
+    expected = [t.clone() for t in weights.after_steps[0]]
+    for step in weights.after_steps[1:]:
+        expected = [e if not e.is_floating_point() else 0.9 * e + 0.1 * s for e, s in zip(expected, step)]
+    got = list(ema.ema_model.module.state_dict().values())
+    assert len(weights.after_steps) == 20 and int(ema.ema_model.n_averaged) == 20
+    for e, g in zip(expected, got):
+        if e.is_floating_point():
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(got[0], model[0].weight)  # the live weights are not the average
+
+
+def test_evaluation_runs_on_the_average_and_training_weights_come_back():
+    model, engine, loader = build()
+    ema, weights = EMAHook(decay=0.8), Weights(model)
+    test = [(x, y) for x, y in get_dataloader(dataset(12), batch_size=6)]
+    trainer = Trainer(engine)
+    trainer.fit(loader, epochs=1, test_dataloader=test, hooks=[ema, weights, LossHook()])
+    live = copy.deepcopy(model.state_dict())
+    averaged = copy.deepcopy(ema.ema_model.module).eval()
+    with torch.no_grad():
+        expected = torch.cat([averaged(x) for x, _ in test])
+    torch.testing.assert_close(torch.cat(weights.eval_outputs), expected)
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, live[name]), name  # evaluation gave the live weights back
+    assert not torch.equal(averaged[0].weight, model[0].weight)
+
+
+def test_a_resumed_run_has_the_uninterrupted_runs_average():
+    _, ref_engine, ref_loader = build()
+    ref = EMAHook(decay=0.9)
+    Trainer(ref_engine).fit(ref_loader, epochs=3, hooks=[ref])
+
+    _, engine, loader = build()
+    trainer = Trainer(engine)
+    first = EMAHook(decay=0.9)
+    trainer.fit(loader, epochs=3, max_steps=13, hooks=[first])  # stops inside epoch 1
+    saved = dict(engine=copy.deepcopy(engine.state_dict()), trainer=copy.deepcopy(trainer.state_dict()))
+    assert "EMAHook.0" in saved["trainer"]["hooks"]
+
+    _, engine2, loader2 = build()
+    engine2.load_state_dict(saved["engine"])
+    trainer2 = Trainer(engine2)
+    trainer2.load_state_dict(saved["trainer"])
+    resumed = EMAHook(decay=0.9)
+    trainer2.fit(loader2, epochs=3, hooks=[resumed])
+    assert trainer2.cur_step == 30
+    for (name, a), b in zip(ref.ema_model.state_dict().items(), resumed.ema_model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_decay_outside_0_1_is_refused():
+    with pytest.raises(ValueError, match="decay"):
+        EMAHook(decay=1.5)
+
+
+def test_the_docs_snippet_runs(tmp_path):
+    text = (REPO / "docs" / "ema.md").read_text(encoding="utf-8")
+    (snippet,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    (tmp_path / "snippet.py").write_text(snippet)
+    proc = run_python(tmp_path / "snippet.py", cwd=tmp_path, timeout=120)
+    assert "ema steps 16 keys" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_the_average_resumes_from_a_checkpoint_file(tmp_path):
+    _, ref_engine, ref_loader = build()
+    ref = EMAHook(decay=0.9)
+    Trainer(ref_engine).fit(ref_loader, epochs=3, hooks=[ref])
+
+    _, engine, loader = build()
+    Trainer(engine).fit(loader, epochs=1, hooks=[EMAHook(decay=0.9), SaveCheckpointHook(1, tmp_path / "ck")])
+    _, engine2, loader2 = build()
+    resumed = EMAHook(decay=0.9)
+    trainer2 = Trainer(engine2)
+    trainer2.fit(loader2, epochs=3, hooks=[LoadCheckpointHook(tmp_path / "ck"), resumed])
+    assert trainer2.cur_step == 30
+    for (name, a), b in zip(ref.ema_model.state_dict().items(), resumed.ema_model.state_dict().values()):
+        assert torch.equal(a, b), name
