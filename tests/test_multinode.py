@@ -164,6 +164,7 @@ def test_the_rank_0_lines_are_printed_by_the_node_of_global_rank_0_only(runs):
     assert rank0.count("rank 0 only: start") == 2
     assert "resumed from" in rank0
     assert "colossal_lite - INFO" not in rank1, rank1
+    assert "colossal_lite [rank 1] - INFO" not in rank1, rank1  # its lines name their rank (issue 23)
 
 
 def test_each_node_has_local_rank_0_and_its_own_global_rank(runs):

@@ -4,6 +4,8 @@ Console output goes to rank 0 by default (``ranks=[0]``); pass ``ranks=[0, 1]`` 
 ``ranks='all'`` for others. Errors print on every rank unless ``ranks`` says otherwise.
 On a terminal the console output goes through rich; otherwise it is plain lines,
 so batch logs stay readable. Files written by ``log_to_file`` get every message of their rank.
+A console line printed by a rank other than 0 names it (``colossal_lite [rank 1] - ERROR: ...``): the
+ranks share one terminal or log, and a line without its rank cannot be told apart from rank 0's.
 """
 from __future__ import annotations
 
@@ -37,6 +39,16 @@ class _ConsoleFilter(logging.Filter):
         return getattr(record, "cl_console", True)
 
 
+class _ConsoleFormatter(logging.Formatter):
+    """The console format, with `` [rank R]`` after the logger's name on ranks other than 0 (read at each line:
+    a logger made before ``launch`` knows its rank only from the environment until then)."""
+
+    def format(self, record):
+        rank = _current_rank()
+        record.cl_rank = f" [rank {rank}]" if rank else ""
+        return super().format(record)
+
+
 class DistributedLogger:
     """Rank-aware logger; one instance per name (``get_dist_logger(name)``)."""
 
@@ -65,10 +77,10 @@ class DistributedLogger:
             from rich.logging import RichHandler
 
             handler: logging.Handler = RichHandler(console=Console(file=stream), show_path=False, markup=False)
-            handler.setFormatter(logging.Formatter(f"{self.name} - %(message)s"))
+            handler.setFormatter(_ConsoleFormatter(f"{self.name}%(cl_rank)s - %(message)s"))
         else:
             handler = logging.StreamHandler(stream)
-            handler.setFormatter(logging.Formatter(f"{self.name} - %(levelname)s: %(message)s"))
+            handler.setFormatter(_ConsoleFormatter(f"{self.name}%(cl_rank)s - %(levelname)s: %(message)s"))
         handler.addFilter(_ConsoleFilter())
         self._logger.addHandler(handler)
         self._console, self._console_stream = handler, stream

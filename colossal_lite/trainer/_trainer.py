@@ -441,7 +441,8 @@ class Trainer:
         data_iter = _iterate_from(run.train_loader, st.iters_per_epoch, skip)
         engine.window.continue_at(skip)
         st.epoch_start_step = st.step - skip // engine.window.size
-        progress = make_progress(run.display, f"[Epoch {epoch} / Train]", st.iters_per_epoch - skip, self.states)
+        progress = make_progress(run.display, f"[Epoch {epoch} / Train]", st.iters_per_epoch - skip, self.states,
+                                 run=st)
         self.fire(Event.BEFORE_TRAIN_EPOCH)
         self._continue_metrics(skip)
         timer.start("Train-epoch")

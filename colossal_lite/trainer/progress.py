@@ -9,6 +9,10 @@ Python call. ``advance()`` counts one iteration and does the same check, for loo
 The step metrics (device tensors written by ``LogMetricByStepHook``) are turned into numbers only
 when the display refreshes: a few times a second for the bar; at most every ``min_gap_s`` seconds
 (and at the epoch's end) for plain lines. rich is imported only when the bar is shown.
+
+A training epoch's display is also given the run's ``State``: when the run goes on past this epoch, the
+epoch's ETA is followed by the whole run's, ``ETA 0:00:12 (run 0:03:40)``: the optimizer steps left in the
+run, in batches, at this epoch's rate (evaluations not counted).
 """
 from __future__ import annotations
 
@@ -89,10 +93,11 @@ class _Counter(NoProgress):
     """Counts iterations; a subclass defines ``_check(now)``: redraw or print if it is time, and set
     ``due`` / ``due_time`` for the next call."""
 
-    def __init__(self, description: str, total: Optional[int], states: Mapping[str, Any]):
+    def __init__(self, description: str, total: Optional[int], states: Mapping[str, Any], run=None):
         self.description = description
         self.total = total
         self.states = states
+        self.run = run  # the run's State (total_steps, steps_per_epoch, step), or None: no run ETA
         self.n = 0
         self.start = time.monotonic()
 
@@ -110,6 +115,21 @@ class _Counter(NoProgress):
         speed = self.n / elapsed  # iterations per second
         eta = (self.total - self.n) / speed if (self.total is not None and speed > 0) else float("nan")
         return speed, eta
+
+    def run_eta(self, speed: float) -> Optional[float]:
+        """Seconds left in the whole run at ``speed`` batches/s, or None when the run ends with this epoch
+        (its ETA is the epoch's) or its length is unknown."""
+        st = self.run
+        if st is None or not (st.total_steps and st.steps_per_epoch and st.iters_per_epoch) or speed <= 0:
+            return None
+        if st.total_steps <= (st.epoch + 1) * st.steps_per_epoch:
+            return None
+        return max(st.total_steps - st.step, 0) * st.iters_per_epoch / st.steps_per_epoch / speed
+
+    def eta_text(self, speed: float, eta: float) -> str:
+        """``'ETA 0:00:12'``, or ``'ETA 0:00:12 (run 0:03:40)'`` when the run goes on past this epoch."""
+        run_eta = self.run_eta(speed)
+        return f"ETA {_clock(eta)}" + ("" if run_eta is None else f" (run {_clock(run_eta)})")
 
     def values(self) -> Dict[str, Any]:
         """The step metrics as numbers (reads device tensors: call at refresh only)."""
@@ -136,8 +156,8 @@ class PlainProgress(_Counter):
     min_gap_s = 10.0  # seconds: fewest between two lines inside an epoch
     every_s = 30.0  # seconds: most between two lines
 
-    def __init__(self, description: str, total: Optional[int], states: Mapping[str, Any], stream=None):
-        super().__init__(description, total, states)
+    def __init__(self, description: str, total: Optional[int], states: Mapping[str, Any], stream=None, run=None):
+        super().__init__(description, total, states, run)
         self.stream = stream
         self._every_n = max(1, int(math.ceil(total * self.every_fraction))) if total else None
         self._next_n = self._every_n
@@ -170,7 +190,7 @@ class PlainProgress(_Counter):
             where = f"{self.n} {UNIT}"
         line = f"{self.description} {where}, {speed_text(speed)}"
         if self.total:
-            line += f", ETA {_clock(eta)}"
+            line += f", {self.eta_text(speed, eta)}"
         metrics = self.metrics_text()
         if metrics:
             line += f" | {metrics}"
@@ -199,15 +219,21 @@ def compact_number(value: Any) -> str:
 def info_candidates(rate: str, eta: str, values: Mapping[str, Any]) -> Iterator[str]:
     """The bar's right-hand text, from the fullest to the shortest: the metrics written in full, then
     compact, then without the rate, then dropping metrics from the last one (``LogMetricByStepHook``
-    lists the loss first), then the ETA alone (the rate alone without a total), then nothing."""
+    lists the loss first; the run's ETA goes before the last of them), then the ETA alone (the rate alone
+    without a total), then nothing."""
     full = [f"{name}={format_number(v)}" for name, v in values.items()]
     short = [f"{SHORT_NAMES.get(name, name)}={compact_number(v)}" for name, v in values.items()]
     head = [rate, eta] if eta else [rate]
     yield " ".join(head + full)
     yield " ".join(head + short)
     keep = [eta] if eta else [rate]
-    for k in range(len(short), -1, -1):
+    for k in range(len(short), 0, -1):
         yield " ".join(keep + short[:k])
+    epoch_eta = eta.split(" (run ", 1)[0]
+    if epoch_eta != eta:  # the run's ETA is dropped before the first metric (the loss) is
+        yield " ".join([epoch_eta] + short[:1])
+        keep = [epoch_eta]
+    yield " ".join(keep)
     yield ""
 
 
@@ -238,8 +264,9 @@ class RichProgress(_Counter):
     bar_min = 10  # cells: narrower, a bar no longer shows progress at a glance
     bar_max = 40  # cells: rich's own default
 
-    def __init__(self, description: str, total: Optional[int], states: Mapping[str, Any], console=None):
-        super().__init__(description, total, states)
+    def __init__(self, description: str, total: Optional[int], states: Mapping[str, Any], console=None,
+                 run=None):
+        super().__init__(description, total, states, run)
         from rich.progress import BarColumn, Progress, TextColumn
         from rich.table import Column
 
@@ -269,7 +296,7 @@ class RichProgress(_Counter):
         """Set the columns' text and the bar's width for the console's width now (it can change)."""
         speed, eta = self.speed_and_eta(now)
         count = self.count_text()
-        candidates = info_candidates(speed_text(speed), f"ETA {_clock(eta)}" if self.total else "", values)
+        candidates = info_candidates(speed_text(speed), self.eta_text(speed, eta) if self.total else "", values)
         description, bar, info = fit_line(self._progress.console.width, self.description, count, candidates,
                                           self.bar_min, self.bar_max)
         self._bar.bar_width = bar
@@ -294,10 +321,12 @@ class RichProgress(_Counter):
         self._progress.stop()
 
 
-def make_progress(enabled: bool, description: str, total: Optional[int], states: Mapping[str, Any]):
-    """The display for one epoch: ``NoProgress`` when not ``enabled``, else a bar or plain lines by stdout's kind."""
+def make_progress(enabled: bool, description: str, total: Optional[int], states: Mapping[str, Any], run=None):
+    """The display for one epoch: ``NoProgress`` when not ``enabled``, else a bar or plain lines by stdout's kind.
+    ``run`` (the run's ``State``, for a training epoch) adds the whole run's ETA."""
     if not enabled:
         return NO_PROGRESS
-    if stdout_is_terminal():
-        return RichProgress(description, total, states)
-    return PlainProgress(description, total, states)
+    display = RichProgress(description, total, states) if stdout_is_terminal() else \
+        PlainProgress(description, total, states)
+    display.run = run  # no ETA is shown before the first update, so the first frame needs no run
+    return display

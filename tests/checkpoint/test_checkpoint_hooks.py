@@ -274,3 +274,35 @@ def test_test_mode_reports_a_failed_round_trip():
            "checkpoint: a builtins.object is not a tensor or a plain Python value" in str(result)
     assert str(result).endswith("loss finite: FAILED (the checkpoint round trip failed)")
     assert _test_mode_folders() == before
+
+
+# -- a list of steps (issue 23) ----------------------------------------------------------------
+@pytest.mark.parametrize("interval,expected", [
+    ([3, 8, 15], ["epoch0-step3", "epoch1-step8", "epoch2-step15", "epoch3-step20"]),  # plus the final one
+    ((8, 3), ["epoch0-step3", "epoch1-step8", "epoch3-step20"]),  # any order
+    (["0.65dur", "3ep", "2ba"], ["epoch0-step2", "epoch2-step13", "epoch2-step15", "epoch3-step20"]),
+    ([4, 20], ["epoch0-step4", "epoch3-step20"]),  # the last step listed: written once
+])
+def test_a_list_saves_at_exactly_those_optimizer_steps(tmp_path, interval, expected):
+    fit(lambda s, m: [SaveCheckpointHook(interval, tmp_path / "ck")], epochs=4)  # 20 optimizer steps
+    assert names(tmp_path / "ck") == expected + ["last"]
+    for name in expected:
+        assert (tmp_path / "ck" / name / "meta.json").is_file()
+    assert (tmp_path / "ck" / "last").read_text().strip() == expected[-1]
+
+
+def test_a_list_of_steps_goes_on_after_a_resume(tmp_path):
+    ck = tmp_path / "ck"
+    fit(lambda s, m: [SaveCheckpointHook([3, 8, 15], ck)], epochs=2)  # stops at step 10
+    assert names(ck) == ["epoch0-step3", "epoch1-step8", "epoch1-step10", "last"]
+    fit(lambda s, m: [SaveCheckpointHook([3, 8, 15], ck)], epochs=4, resume_from=ck / "epoch1-step8")
+    assert names(ck) == ["epoch0-step3", "epoch1-step8", "epoch1-step10", "epoch2-step15", "epoch3-step20", "last"]
+
+
+def test_a_wrong_list_is_refused():
+    with pytest.raises(ValueError, match=r"SaveCheckpointHook\(interval=\[\]\): the list of steps is empty"):
+        SaveCheckpointHook([], "ck")
+    with pytest.raises(ValueError, match=r"SaveCheckpointHook\(interval=\[0, 5\]\): invalid time 0"):
+        SaveCheckpointHook([0, 5], "ck")
+    assert repr(SaveCheckpointHook([200, "0.5dur"], "ck")) == \
+        "SaveCheckpointHook(interval='[200ba, 0.5dur]', checkpoint_dir='ck')"

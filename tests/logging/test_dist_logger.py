@@ -66,6 +66,17 @@ def test_rank_comes_from_the_environment_before_launch(logger, capsys, monkeypat
     assert "info by default" not in out and "for rank 1" in out and "errors everywhere" in out
 
 
+def test_a_line_from_another_rank_names_it(logger, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    logger.info("for rank 3", ranks=[3])
+    logger.error("an error")
+    monkeypatch.setenv("RANK", "0")
+    logger.error("rank 0 as before")
+    assert capsys.readouterr().out.splitlines() == [f"{logger.name} [rank 3] - INFO: for rank 3",
+                                                    f"{logger.name} [rank 3] - ERROR: an error",
+                                                    f"{logger.name} - ERROR: rank 0 as before"]
+
+
 def test_levels(logger, capsys):
     logger.debug("hidden at the default INFO level")
     logger.set_level("DEBUG")
@@ -193,7 +204,13 @@ def test_rank_filtering_in_two_processes(tmp_path):
         "error-ranks0 from rank 0",
     ])
     assert printed == expected, proc.stdout
-    assert "colossal_lite - ERROR: MSG error-default from rank 1" in proc.stdout.splitlines()
+    # a line from rank 1 says so (issue 23); rank 0's lines stay as they were
+    assert "colossal_lite [rank 1] - ERROR: MSG error-default from rank 1" in proc.stdout.splitlines()
+    assert "colossal_lite - ERROR: MSG error-default from rank 0" in proc.stdout.splitlines()
+    for line in proc.stdout.splitlines():
+        if "MSG " in line:
+            from_rank = line.rsplit(" ", 1)[1]
+            assert line.startswith("colossal_lite [rank 1] - " if from_rank == "1" else "colossal_lite - "), line
     for rank in (0, 1):
         text = (logs / f"rank_{rank}.log").read_text()
         other = 1 - rank

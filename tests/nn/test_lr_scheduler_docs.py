@@ -70,3 +70,12 @@ def test_per_update_schedule_takes_one_step_per_update(page_run):
     _, proc = page_run
     # 4 epochs of ceil(4 batches / gradient_accumulation 2) updates: total_steps = 8 is used up exactly
     assert printed_line("updates per epoch:", proc.stdout) == "updates per epoch: 2 | schedule steps taken: 8"
+
+
+def test_multistep_time_milestones_block_prints_what_the_page_says(page_run):
+    _, proc = page_run
+    for label in ("milestones resolved to:", "epoch milestones resolved to:"):
+        line = printed_line(label, proc.stdout)
+        assert f"`{line}`" in PAGE.read_text(), line
+    assert printed_line("milestones resolved to:", proc.stdout) == "milestones resolved to: [6, 12, 18]"
+    assert printed_line("epoch milestones resolved to:", proc.stdout) == "epoch milestones resolved to: [4, 12]"

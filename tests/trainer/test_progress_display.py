@@ -93,9 +93,47 @@ def test_plain_progress_of_a_real_run_into_a_pipe_is_one_line_per_short_epoch(tm
     test = [line for line in out.splitlines() if "/ Test]" in line]
     assert 3 <= len(train) <= 3 + extra and 3 <= len(test) <= 3 + extra, out
     for epoch in range(3):
-        assert re.search(rf"^\[Epoch {epoch} / Train\] 100/100 batches \(100%\), [0-9.]+ batch/s, ETA 0:00:00 "
-                         r"\| loss=[0-9.]+$", out, re.M), out
+        run_eta = r" \(run \d+:\d\d:\d\d\)" if epoch < 2 else ""  # the run's ETA while it goes on past the epoch
+        assert re.search(rf"^\[Epoch {epoch} / Train\] 100/100 batches \(100%\), [0-9.]+ batch/s, ETA 0:00:00"
+                         rf"{run_eta} \| loss=[0-9.]+$", out, re.M), out
         assert re.search(rf"^\[Epoch {epoch} / Test\] 3/3 batches \(100%\), ", out, re.M), out
+
+
+def test_plain_line_shows_the_runs_eta_next_to_the_epochs():
+    """The run's ETA: the optimizer steps left in the run (``total_steps - step``), in batches, at the epoch's
+    rate; shown while the run goes on past this epoch, not in its last epoch (where it is the epoch's)."""
+    from colossal_lite.trainer.state import State
+
+    st = State()
+    st.total_steps, st.steps_per_epoch, st.iters_per_epoch = 15, 5, 10  # 3 epochs, 2 batches per step
+    lines = []
+    for epoch, step in ((1, 7), (2, 12)):
+        st.epoch, st.step = epoch, step
+        stream = io.StringIO()
+        display = progress.PlainProgress(f"[Epoch {epoch} / Train]", 10, {}, stream=stream, run=st)
+        display.start -= 10.0  # 5 batches in 10 s: 0.5 batch/s
+        display.close(5)
+        lines.append(stream.getvalue())
+    # epoch: 5 batches left / 0.5 = 10 s; run: (15 - 7) steps * 2 batches / 0.5 = 32 s
+    assert lines[0] == "[Epoch 1 / Train] 5/10 batches (50%), 0.50 batch/s, ETA 0:00:10 (run 0:00:32)\n"
+    assert lines[1] == "[Epoch 2 / Train] 5/10 batches (50%), 0.50 batch/s, ETA 0:00:10\n"
+
+
+def test_rich_bar_shows_the_runs_eta_and_drops_it_before_the_epochs():
+    from rich.console import Console
+
+    from colossal_lite.trainer.state import State
+
+    st = State()
+    st.total_steps, st.steps_per_epoch, st.iters_per_epoch, st.epoch, st.step = 15, 5, 10, 1, 7
+    for width, expected in ((100, "ETA 0:00:10 (run 0:00:32)"), (54, "ETA 0:00:10")):
+        buf = io.StringIO()
+        display = RichProgress("[Epoch 1 / Train]", 10, {}, console=Console(file=buf, force_terminal=True,
+                                                                            width=width), run=st)
+        display.start -= 10.0
+        display.close(5)
+        last = frames(buf.getvalue())[-1]
+        assert last.endswith(expected) and len(last) <= width, (width, last)
 
 
 def test_plain_lines_come_at_tenths_no_closer_than_min_gap(monkeypatch):

@@ -6,7 +6,7 @@ point (after the step's or the epoch's evaluation), so a run resumed from it con
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 from ...checkpoint import CheckpointManager
 from ...checkpoint.io import CheckpointNotFoundError, load_single_file
@@ -16,7 +16,7 @@ from ...core.dist import is_rank_0, log_rank_0, rank, world_size
 from ...utils.checkpointing import load_checkpoint_state, remove_stale_temp_files, write_checkpoint_file
 from .._checkpoint.contents import checkpoint_metrics, hook_entry, name_epoch, position, save_trainer_checkpoint
 from .._checkpoint.restore import load_trainer_checkpoint, restore_trainer_checkpoint
-from ..time import Interval, Time, TimeUnit
+from ..time import AtSteps, Interval, Time, TimeUnit
 from ._base_hook import BaseHook
 
 __all__ = ["SaveCheckpointHook", "LoadCheckpointHook"]
@@ -29,7 +29,9 @@ class SaveCheckpointHook(BaseHook):
 
     Args:
         interval: an int (epochs; optimizer steps with ``save_by_iter=True``) or a time string:
-            ``'2ep'``, ``'500ba'`` (optimizer steps), ``'0.25dur'`` (a fraction of the run's steps).
+            ``'2ep'``, ``'500ba'`` (optimizer steps), ``'0.25dur'`` (a fraction of the run's steps); or a
+            list of the moments to save at, once each: ``[200, 500, 1000]`` (ints in a list are always
+            optimizer steps) or time strings (``['0.5dur', '3ep']``: the step that ends epoch 3).
         checkpoint_dir: the folder of this run's checkpoints: one folder ``epoch{E}-step{S}`` per
             checkpoint, plus ``last``/``best`` pointers (``docs/checkpoints.md``). A path ending in ``.pt``
             or ``.pth`` is the legacy single file instead (as the legacy docs and examples pass it): rank 0
@@ -51,7 +53,8 @@ class SaveCheckpointHook(BaseHook):
     inside an accumulation window, whose gradients are then saved too).
     """
 
-    def __init__(self, interval: Union[int, str, Time] = 1, checkpoint_dir: Optional[str] = None, model=None,
+    def __init__(self, interval: Union[int, str, Time, Sequence[Union[int, str, Time]]] = 1,
+                 checkpoint_dir: Optional[str] = None, model=None,
                  save_by_iter: bool = False, priority: int = 10, save_last: bool = True,
                  save_best: Optional[Tuple[str, str]] = None, keep_last_n: Optional[int] = None):
         super().__init__(priority)
@@ -60,7 +63,8 @@ class SaveCheckpointHook(BaseHook):
                              "e.g. SaveCheckpointHook(checkpoint_dir='runs/ck')")
         default_unit = TimeUnit.BATCH if save_by_iter else TimeUnit.EPOCH
         try:
-            self.interval = Interval(interval, default_unit=default_unit)
+            self.interval = AtSteps(interval) if isinstance(interval, (list, tuple)) \
+                else Interval(interval, default_unit=default_unit)
         except ValueError as err:
             raise ValueError(f"SaveCheckpointHook(interval={interval!r}): {err}") from None
         if save_by_iter and self.interval.unit is TimeUnit.EPOCH:
