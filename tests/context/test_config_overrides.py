@@ -109,7 +109,7 @@ args = colossal_lite.get_default_parser().parse_args()
 colossal_lite.launch_from_torch(config=args.config, overrides=args.set, verbose=False)
 seen = dict(rank=gpc.get_global_rank(), world=gpc.get_world_size(), BATCH_SIZE=gpc.config.BATCH_SIZE,
             fp16=dict(gpc.config.fp16), zero=dict(gpc.config.zero), clip=gpc.config.clip_grad_norm)
-print("SEEN " + json.dumps(seen), flush=True)
+print("SEEN " + json.dumps(seen) + "\\n", end="", flush=True)  # one write: the ranks' lines never mix
 """
 
 
