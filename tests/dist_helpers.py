@@ -1,12 +1,14 @@
-"""Start real processes for distributed tests: torchrun with gloo on 127.0.0.1, a free port, a timeout."""
+"""Start real processes for distributed tests: torchrun with gloo on 127.0.0.1, a free port, a timeout; and read
+the python blocks of a docs page that such tests run."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,3 +60,29 @@ def run_python(script, args: Sequence[str] = (), timeout: float = 120, env=None,
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc
+
+
+def doc_python_blocks(page, section: Optional[str] = None) -> List[str]:
+    """The ```python blocks of a docs page (a path under the repository), or of its section whose heading is
+    ``section`` (up to the next heading of the same or a higher level; '#' lines inside code blocks are code)."""
+    blocks, block, fence, inside, level = [], None, False, section is None, 0
+    for line in (REPO / page).read_text(encoding="utf-8").splitlines(keepends=True):
+        if line.startswith("```"):
+            fence = not fence
+            if inside and fence and line.strip() == "```python":
+                block = []
+            elif inside and not fence and block is not None:
+                blocks.append("".join(block))
+                block = None
+            continue
+        if fence:
+            if block is not None:
+                block.append(line)
+            continue
+        heading = re.match(r"(#+) (.*)", line)
+        if heading and section is not None:
+            if heading.group(2).strip() == section:
+                inside, level = True, len(heading.group(1))
+            elif inside and len(heading.group(1)) <= level:
+                break
+    return blocks

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from dist_helpers import REPO, run_torchrun
+from dist_helpers import doc_python_blocks, run_torchrun
 
 import colossal_lite
 from colossal_lite.context import Config, ConfigException
@@ -160,10 +160,7 @@ def test_cli_check_shows_the_overridden_config(tmp_path, config_file):
 
 
 def test_the_docs_example_runs_under_torchrun(tmp_path, config_file):
-    text = (REPO / "docs" / "config.md").read_text()
-    section = text[text.index("## Overriding from the command line"):]
-    section = section[:section.index("\n## ")]
-    snippet = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    snippet = doc_python_blocks("docs/config.md", "Overriding from the command line")[0]
     (tmp_path / "train.py").write_text(snippet)
     proc = run_torchrun(tmp_path / "train.py", ["--config", config_file, "--set", "fp16.mode=bf16",
                                                 "--set", "BATCH_SIZE=64"], nproc=2, cwd=tmp_path)

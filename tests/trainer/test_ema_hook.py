@@ -1,11 +1,10 @@
 """EMAHook: the average follows every applied step, evaluation runs on it, and a resumed run's average is the
 uninterrupted run's."""
 import copy
-import re
 
 import pytest
 import torch
-from dist_helpers import REPO, run_python
+from dist_helpers import doc_python_blocks, run_python
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -103,8 +102,7 @@ def test_decay_outside_0_1_is_refused():
 
 
 def test_the_docs_snippet_runs(tmp_path):
-    text = (REPO / "docs" / "ema.md").read_text(encoding="utf-8")
-    (snippet,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    (snippet,) = doc_python_blocks("docs/ema.md")
     (tmp_path / "snippet.py").write_text(snippet)
     proc = run_python(tmp_path / "snippet.py", cwd=tmp_path, timeout=120)
     assert "ema steps 16 keys" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -1,12 +1,11 @@
 """Trainer.predict over a whole loader: eval mode, no gradients, outputs in dataset order; on two real gloo ranks
 the gathered result equals one process's (the sampler's padding removed); predict(batch) still works."""
-import re
 import runpy
 import sys
 import textwrap
 
 import torch
-from dist_helpers import REPO, run_python, run_torchrun
+from dist_helpers import doc_python_blocks, run_python, run_torchrun
 from torch import nn
 
 import colossal_lite
@@ -145,8 +144,7 @@ def test_predict_of_one_batch_still_works():
 
 
 def test_the_docs_snippet_runs(tmp_path):
-    text = (REPO / "docs" / "predict.md").read_text(encoding="utf-8")
-    (snippet,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    (snippet,) = doc_python_blocks("docs/predict.md")
     (tmp_path / "snippet.py").write_text(snippet)
     proc = run_python(tmp_path / "snippet.py", cwd=tmp_path, timeout=120)
     assert "predicted (13, 2) (3, 2)" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

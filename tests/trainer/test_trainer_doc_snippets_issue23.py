@@ -1,19 +1,12 @@
 """docs/trainer.md snippets of issue 23 run as written in a fresh process (stdout a pipe, as in a batch job)."""
 import re
 
-from dist_helpers import REPO, run_python
-
-PAGE = REPO / "docs" / "trainer.md"
-
-
-def section_block(title: str) -> str:
-    section = PAGE.read_text().split(f"### {title}\n", 1)[1].split("\n#", 1)[0]
-    return re.search(r"^```python\n(.*?)^```$", section, flags=re.MULTILINE | re.DOTALL).group(1)
+from dist_helpers import doc_python_blocks, run_python
 
 
 def test_the_runs_eta_snippet_prints_it_until_the_last_epoch(tmp_path):
     script = tmp_path / "run_eta.py"
-    script.write_text(section_block("The run's ETA"))
+    script.write_text(doc_python_blocks("docs/trainer.md", "The run's ETA")[0])
     out = run_python(script, timeout=180, cwd=tmp_path).stdout
     for epoch in range(3):
         run_eta = r" \(run \d+:\d\d:\d\d\)" if epoch < 2 else ""
