@@ -24,9 +24,12 @@ setup(
         "psutil",
     ],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout", "numpy", "scikit-learn", "ruff", "tensorboard", "torchmetrics"],
+        # mlflow-skinny is the MLflow client the tests need (the full ``mlflow`` package depends on it)
+        "dev": ["pytest>=7", "pytest-timeout", "numpy", "scikit-learn", "ruff", "tensorboard", "torchmetrics",
+                "mlflow-skinny>=2.12"],
         "examples": ["scikit-learn"],
         "tensorboard": ["tensorboard"],
+        "mlflow": ["mlflow>=2.12"],
     },
     entry_points={"console_scripts": ["colossal-lite=colossal_lite.cli:main"]},
 )

@@ -8,26 +8,33 @@ exactly what ``zero_grad(); execute_schedule(); step()`` computes.
 from __future__ import annotations
 
 import math
+import os
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..core.dist import all_reduce_min_, is_rank_0, log_rank_0
+from ..core.global_context import global_context as gpc
 from ..engine.batch import call_with, move_to_device
 from ..engine.step import make_train_step
 from ..logging import DistributedLogger, get_dist_logger
 from ..utils.data import DataParallelSampler, batches_per_epoch, skip_batches
 from ..utils.timer import MultiTimer
 from ._predict import is_loader, predict_loader
+from ._recorder import Recorder, flat_params
 from .checkpointing import CheckpointSession, checkpoint_round_trip
 from .events import Event
+from .history import History
 from .hooks._base_hook import BaseHook
+from .hooks._checkpoint_hook import SaveCheckpointHook
 from .hooks._utils import resolve_metric
 from .progress import NO_PROGRESS, make_progress
 from .state import State
 from .time import Interval, Time, TimeUnit
+from .trackers import MetricsFile, Tracker
 
 __all__ = ["Trainer", "TestModeResult"]
 
@@ -210,6 +217,29 @@ def _resolve_length(epochs, max_steps, max_duration, steps_per_epoch: int):
         return math.ceil(max_steps / steps_per_epoch), max_steps
     return _check_count("epochs", epochs), max_steps
 
+
+def _run_trackers(trackers, log_dir, hooks) -> Tuple[List[Tracker], Optional[Path]]:
+    """fit's trackers and the run's folder: ``log_dir``, else the SaveCheckpointHook's folder (``log_dir=False``:
+    none). A run with a folder gets a ``MetricsFile`` unless ``trackers`` has one."""
+    trackers = [] if trackers is None else trackers
+    if not isinstance(trackers, (list, tuple)):
+        raise TypeError(f"fit(trackers=...) must be a list of trackers, got {type(trackers).__name__}")
+    for i, tracker in enumerate(trackers):
+        if not isinstance(tracker, Tracker):
+            raise TypeError(f"fit(trackers=...)[{i}] is a {type(tracker).__name__}, not a tracker: subclass "
+                            f"colossal_lite.trainer.trackers.Tracker")
+    if log_dir is False:
+        return list(trackers), None
+    if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(f"fit(log_dir={log_dir!r}): give a folder path, None (the checkpoint folder) or False (none)")
+    folder = Path(log_dir) if log_dir is not None else next(
+        (hook.checkpoint_dir for hook in hooks or () if isinstance(hook, SaveCheckpointHook) and hook.file is None),
+        None)
+    if folder is not None and not any(isinstance(t, MetricsFile) for t in trackers):
+        trackers = [MetricsFile()] + list(trackers)
+    return list(trackers), folder
+
+
 class Trainer:
     """Runs ``fit`` / ``evaluate`` / ``predict`` on an ``Engine``, calling hooks at each event.
 
@@ -237,6 +267,9 @@ class Trainer:
         self._pending_metric_states: Optional[Dict[str, Any]] = None  # train metrics' sums of a resumed epoch
         self._step = None  # the training step of the running fit or evaluate (built with the hooks' handlers)
         self._checkpoints: Optional[CheckpointSession] = None  # checkpoints of the running fit
+        self.history = History()  # every fit's recorded metric values (docs/metrics.md)
+        self._recorder: Optional[Recorder] = None  # records the running fit's values into the history
+        self._pending_tracker_states: Optional[Dict[str, Any]] = None
 
     # -- legacy properties -----------------------------------------------------------------------
     @property
@@ -297,10 +330,12 @@ class Trainer:
     def _call_hooks(self, func: str, output=None) -> None:  # legacy name
         self.fire(func, *(output or ()))
 
-    def _attach(self, hooks, purpose: str) -> None:
-        """Sort the run's hooks, build the event handlers and the training step that fires them."""
+    def _attach(self, hooks, purpose: str, recorder: Optional[Recorder] = None) -> None:
+        """Sort the run's hooks, build the event handlers and the training step that fires them (the
+        ``recorder``, when given, handles each event last)."""
         self.hooks = sorted(_checked_hooks(hooks), key=lambda h: h.priority)  # stable: ties keep the list's order
-        self._h = _Handlers(self.hooks)
+        self._recorder = recorder
+        self._h = _Handlers(self.hooks + ([recorder] if recorder is not None else []))
         self._step = make_train_step(self._engine, self.state, self._h, self)
         if self._verbose:
             for hook in self.hooks:
@@ -313,6 +348,9 @@ class Trainer:
         if self._pending_hook_states is not None:
             self._load_hook_states(self._pending_hook_states)
             self._pending_hook_states = None
+        if self._pending_tracker_states is not None and recorder is not None:
+            recorder.load_tracker_states(self._pending_tracker_states)
+            self._pending_tracker_states = None
 
     def _check_watched_metrics(self) -> None:
         """Every metric a hook names exists, now that all hooks have registered theirs (any priority order)."""
@@ -325,6 +363,7 @@ class Trainer:
 
     def _detach(self) -> None:
         self._step = None
+        self._recorder = None
         self._run_timer = self._timer if self._timer is not None else _NULL_TIMER
         self._pending_metric_states = None
         st = self.state
@@ -336,7 +375,8 @@ class Trainer:
     def fit(self, train_dataloader: Iterable, epochs: Optional[int] = None, max_steps: Optional[int] = None,
             test_dataloader: Optional[Iterable] = None, test_interval: Union[int, str, Time] = 1,
             hooks: Optional[List[BaseHook]] = None, display_progress: bool = False, return_output_label: bool = True,
-            max_duration: Union[int, str, Time, None] = None, test_mode: bool = False, resume_from=None):
+            max_duration: Union[int, str, Time, None] = None, test_mode: bool = False, resume_from=None,
+            log_dir: Union[str, "os.PathLike[str]", None, bool] = None, trackers: Optional[List[Tracker]] = None):
         """Train for ``epochs`` epochs in total (or ``max_steps`` optimizer steps, or ``max_duration``).
 
         Evaluates on ``test_dataloader`` every ``test_interval`` (int epochs, ``'2ep'``, ``'500ba'``,
@@ -346,27 +386,36 @@ class Trainer:
         (in the ``SaveCheckpointHook``'s folder) or a checkpoint path: the run continues exactly from there.
         With a ``SaveCheckpointHook``, SIGTERM/SIGINT finish the current optimizer step, write a checkpoint
         and raise ``TrainingPreempted`` (a ``SystemExit`` with status 75).
+
+        Returns ``trainer.history``: every metric value recorded, per optimizer step and per epoch
+        (``docs/metrics.md``). ``log_dir``: the run's folder (None: the ``SaveCheckpointHook``'s folder; False:
+        none), where a ``metrics.jsonl`` is written unless ``trackers`` has a ``MetricsFile``; ``trackers``: where
+        else the values go (``TensorBoardTracker``, ``MLflowTracker``, your own ``Tracker``), on rank 0.
         """
         run = self._begin_fit(train_dataloader, test_dataloader, epochs, max_steps, max_duration, test_interval,
                               display_progress, return_output_label)
+        recorder = None if test_mode else Recorder(self.history, *_run_trackers(trackers, log_dir, hooks),
+                                                   params=flat_params(gpc.config))
         checkpoints = None
         try:
-            self._attach(hooks, "training")
+            self._attach(hooks, "training", recorder)
             checkpoints = self._checkpoints = CheckpointSession(self, train_dataloader, saving=not test_mode)
             checkpoints.resume(resume_from)
             if test_mode:
                 return self._test_mode(run)
             if checkpoints.nothing_to_do():  # e.g. a finished script run again with resume_from='auto'
-                return None
+                return self.history
             checkpoints.watch_signals(self.preemption_signals)
             self._train(run, checkpoints)
             checkpoints.raise_if_preempted()
         finally:
+            if recorder is not None:
+                recorder.finish("FAILED")  # (nothing to do when the run ended: after_train finished the trackers)
             if checkpoints is not None:
                 checkpoints.close()
             self._checkpoints = None
             self._detach()
-        return None
+        return self.history
 
     def _begin_fit(self, train_loader, test_loader, epochs, max_steps, max_duration, test_interval,
                    display_progress: bool, return_output_label: bool) -> "_Run":
@@ -710,25 +759,44 @@ class Trainer:
         raise ValueError(f"{hook!r} is not attached to this trainer")
 
     def state_dict(self) -> Dict[str, Any]:
-        """Progress and the ``state_dict()`` of each attached hook that has one (keys like ``'EarlyStoppingHook.0'``)."""
+        """Progress, the ``state_dict()`` of each attached hook that has one (keys like ``'EarlyStoppingHook.0'``),
+        the history and the running fit's trackers' states. Inside ``fit``, call ``flush_metrics()`` first on
+        every rank for the per-step values not yet read (a checkpoint does)."""
         hooks = {}
         for key, hook in self.keyed_hooks():
             state = hook.state_dict()
             if state:
                 hooks[key] = state
-        return {"progress": self.state.state_dict(), "hooks": hooks}
+        return {"progress": self.state.state_dict(), "hooks": hooks, "history": self.history.state_dict(),
+                "trackers": self.tracker_states()}
+
+    def tracker_states(self) -> Dict[str, Any]:
+        """The ``state_dict()`` of each tracker of the running fit that has one (keys like ``'MLflowTracker.0'``)."""
+        return self._recorder.tracker_states() if self._recorder is not None else {}
+
+    def flush_metrics(self) -> None:
+        """Inside ``fit``: read the per-step values kept on the device into the history and the trackers (a
+        collective: every rank calls it)."""
+        if self._recorder is not None:
+            self._recorder.flush()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore progress now. The hooks' states go to the attached hooks at once while ``fit`` runs (a
-        checkpoint it restores), else to the hooks the next ``fit`` attaches."""
+        """Restore progress and history now. The hooks' and trackers' states go to the attached ones at once
+        while ``fit`` runs (a checkpoint it restores), else to those the next ``fit`` attaches."""
         self.state.load_state_dict(state.get("progress", {}))
         self._step_from_epoch = False
-        hooks = dict(state.get("hooks", {}))
-        self._pending_hook_states = None
+        if state.get("history") is not None:
+            self.history.load_state_dict(state["history"])
+        hooks, trackers = dict(state.get("hooks", {})), dict(state.get("trackers") or {})
+        self._pending_hook_states = self._pending_tracker_states = None
         if self.state.fitting:
             self._load_hook_states(hooks)
         elif hooks:
             self._pending_hook_states = hooks
+        if self._recorder is not None:
+            self._recorder.load_tracker_states(trackers)
+        elif trackers:
+            self._pending_tracker_states = trackers
 
     def _load_hook_states(self, states: Dict[str, Any]) -> None:
         for key, hook in self.keyed_hooks():

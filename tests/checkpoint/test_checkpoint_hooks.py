@@ -62,7 +62,8 @@ def fit(hooks=lambda sched, model: [], epochs=2, **kwargs):
 
 
 def names(folder):
-    return sorted(os.listdir(folder), key=lambda n: (n in ("best", "last"), int(n.split("step")[1].split("-")[0])
+    """The checkpoints and pointers of a folder (not the run's metrics.jsonl beside them)."""
+    return sorted((n for n in os.listdir(folder) if n != "metrics.jsonl"), key=lambda n: (n in ("best", "last"), int(n.split("step")[1].split("-")[0])
                                                     if n.startswith("epoch") else 0, n))
 
 

@@ -12,5 +12,5 @@ def test_saving_at_chosen_steps_snippet_prints_what_the_page_says(tmp_path):
     proc = run_python(script, timeout=180, cwd=tmp_path)
     printed = [line for line in proc.stdout.splitlines() if line.startswith("saved:")]
     assert printed == ["saved: ['epoch0-step3', 'epoch1-step8', 'epoch2-step13', 'epoch2-step15', 'epoch3-step20', "
-                       "'last']"], proc.stdout + proc.stderr
+                       "'last', 'metrics.jsonl']"], proc.stdout + proc.stderr
     assert f"It prints `{printed[0]}`" in PAGE.read_text()

@@ -177,7 +177,7 @@ def test_sigint_inside_a_window_finishes_the_window_saves_and_resumes_exactly(tm
     assert info.value.checkpoint == tmp_path / "ck" / "epoch1-step7"  # the window was finished: step 7, epoch 1
     assert str(info.value) == f"training preempted by SIGINT; checkpoint {info.value.checkpoint}; exit status 75"
     names = sorted(p.name for p in (tmp_path / "ck").iterdir())
-    assert names == ["epoch0-step3", "epoch1-step6", "epoch1-step7", "last"]  # every 3 steps, then the stop
+    assert names == ["epoch0-step3", "epoch1-step6", "epoch1-step7", "last", "metrics.jsonl"]  # every 3 steps, then the stop
     got, trainer = _fit(tmp_path / "ck", resume="auto")
     assert trainer.cur_step == 10
     for a, b in zip(got, want):
@@ -189,7 +189,7 @@ def test_a_second_ctrl_c_stops_at_once_and_the_handlers_are_put_back(tmp_path, c
     with pytest.raises(KeyboardInterrupt):
         _fit(tmp_path / "ck", extra=[SendSignal(signal.SIGINT, at=3, times=2)])
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
-    assert not (tmp_path / "ck").exists()  # stopped before any checkpoint was due
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["metrics.jsonl"]  # stopped before any checkpoint was due
 
 
 def test_without_a_save_hook_signals_are_left_alone(clean):

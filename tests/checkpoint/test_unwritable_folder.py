@@ -111,10 +111,14 @@ _TWO_RANKS = textwrap.dedent("""
     if rank == 0:
         subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
     torch.distributed.barrier()
-    try:
-        trainer.fit(loader, epochs=2, hooks=[SaveCheckpointHook(1, ck)], resume_from="auto")
+    try:  # (log_dir=False: no metrics file, so the first write is the checkpoint's)
+        trainer.fit(loader, epochs=2, hooks=[SaveCheckpointHook(1, ck)], resume_from="auto", log_dir=False)
     except Exception as e:
         print(f"rank{rank} {type(e).__name__}: {e}\\n", end="", flush=True)  # one write: ranks' lines never mix
+    try:  # the metrics file beside the checkpoints cannot be written either: every rank fails at the start
+        trainer.fit(loader, epochs=2, hooks=[SaveCheckpointHook(1, ck)], resume_from="auto")
+    except Exception as e:
+        print(f"rank{rank} metrics {type(e).__name__}: {e}\\n", end="", flush=True)
     shared, _ = CheckpointManager(ck).load("last")
     print(f"rank{rank} last is step {shared['trainer']['progress']['step']}\\n", end="", flush=True)
     gpc.destroy()
@@ -140,4 +144,8 @@ def test_two_ranks_both_raise_the_same_error_on_a_read_only_file_system(tmp_path
         assert lines[r].startswith(f"rank{r} {message}") and untouched in lines[r], out
         assert f"rank{r} last is step 2" in out, out
     assert lines[1] == lines[0].replace("rank0", "rank1", 1) + " (reported by rank 0)", out
+    metrics = [next((line for line in out.splitlines() if line.startswith(f"rank{r} metrics")), "") for r in (0, 1)]
+    assert metrics[0].startswith("rank0 metrics OSError: [Errno 30] Read-only file system"), out
+    assert metrics[1] == (f"rank1 metrics RuntimeError: a tracker could not start: "
+                          f"{metrics[0][len('rank0 metrics '):]} (reported by rank 0)"), out
     assert "Connection closed" not in out and "Traceback" not in out, out

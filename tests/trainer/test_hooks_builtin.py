@@ -320,9 +320,9 @@ def test_tensorboard_hook_writes_readable_scalars(tmp_path):
 
 
 def test_tensorboard_step_series_takes_one_number_per_step_and_names_a_metric_that_gives_more():
-    from colossal_lite.trainer.hooks._log_hook import _StepSeries
+    from colossal_lite.trainer._series import StepSeries
 
-    series = _StepSeries(4, "Margin")
+    series = StepSeries(4, "Margin")
     series.add(torch.tensor([0.5]), 1)  # shape (1,): one number
     series.add(torch.tensor(0.25, requires_grad=True) * 2, 2)
     series.add(3.0, 3)

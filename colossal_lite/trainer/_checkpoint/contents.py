@@ -109,6 +109,7 @@ def trainer_checkpoint_state(trainer, train_loader=None) -> Tuple[Dict[str, Any]
 
     Every rank calls it (the engine's state dict may gather shards).
     """
+    trainer.flush_metrics()  # the per-step values kept on the device join the history the checkpoint holds
     hooks, hooks_of_rank = _hook_states(trainer)
     rank_state: Dict[str, Any] = {"rng": capture_rng_state(), "data": _loader_state(train_loader),
                                   "metrics": trainer.metric_partial_states(), "trainer": {"hooks": hooks_of_rank},
@@ -118,7 +119,8 @@ def trainer_checkpoint_state(trainer, train_loader=None) -> Tuple[Dict[str, Any]
     shared: Dict[str, Any] = {
         "engine": engine.state_dict_without_shards() if sharded is not None else engine.state_dict(),
         "lr_schedulers": hooks["lr_schedulers"],
-        "trainer": {"progress": trainer.state.state_dict(), "hooks": hooks["trainer"]},
+        "trainer": {"progress": trainer.state.state_dict(), "hooks": hooks["trainer"],
+                    "history": trainer.history.state_dict(), "trackers": trainer.tracker_states()},
         "hooks": {},
         "colossal_lite": {"version": __version__, "world_size": world_size(), "format": TRAINER_FORMAT},
     }

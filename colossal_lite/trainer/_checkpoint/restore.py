@@ -50,8 +50,9 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
         trainer.load_state_dict({"progress": {"epoch": 0, "step": 0, "iteration": 0, "batch_idx": 0}})
         return path
     _restore_engine(trainer.engine, path, shared, strict)
-    trainer.load_state_dict({"progress": (shared.get("trainer") or {}).get("progress", {}),
-                             "hooks": _hook_states_to_load(trainer, path, shared)})
+    saved = shared.get("trainer") or {}
+    trainer.load_state_dict({"progress": saved.get("progress", {}), "hooks": _hook_states_to_load(trainer, path, shared),
+                             "history": saved.get("history"), "trackers": saved.get("trackers")})
     trainer.restored_from = path
     same_world = _same_world(shared)
     rank_state = rank_state if rank_state is not None else {}

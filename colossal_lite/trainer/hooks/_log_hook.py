@@ -5,9 +5,8 @@ Values that need a collective (epoch metrics) are computed on every rank, whiche
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
-
-import torch
+from pathlib import Path
+from typing import Dict, Iterable, Optional, Union
 
 from ...context.parallel_mode import ParallelMode
 from ...core.dist import is_rank_0, log_rank_0  # log_rank_0 stays importable from here, where it used to live
@@ -15,8 +14,10 @@ from ...core.global_context import global_context as gpc
 from ...logging import get_dist_logger
 from ...utils.memory import report_memory_usage
 from ...utils.timer import MultiTimer
-from ..progress import format_number, to_number
+from .._series import StepSeries
+from ..progress import format_number
 from ..time import Time
+from ..trackers import TensorBoardTracker
 from ._base_hook import BaseHook
 from ._utils import bind_interval, due_at_epoch_end, make_interval
 
@@ -77,47 +78,6 @@ class LogMetricByEpochHook(LogByEpochHook):
             log_rank_0(self.logger, f"{_epoch_label(trainer, 'Test')}: {line}")
 
 
-class _StepSeries:
-    """One tag's per-step points until they are written.
-
-    A device value is copied into a preallocated float32 buffer on its device (two small ops, no host sync),
-    so no tensor is kept alive per step (hundreds of small live tensors fragment the CPU heap); a host number
-    is kept as it is. ``drain`` reads the buffer with one device transfer.
-    """
-
-    def __init__(self, capacity: int, name: str = "metric"):
-        self.capacity = capacity
-        self.name = name
-        self.buffer: Optional[torch.Tensor] = None
-        self.points: List[Tuple[int, Optional[float]]] = []  # (step, number or None: in the buffer)
-
-    def add(self, value: Any, step: int) -> bool:
-        """Keep one point; True when the series is full."""
-        if isinstance(value, torch.Tensor):
-            if self.buffer is None:
-                self.buffer = torch.empty(self.capacity, dtype=torch.float32, device=value.device)
-            if value.requires_grad:
-                value = value.detach()
-            if value.dim():
-                if value.numel() != 1:
-                    raise ValueError(f"TensorboardHook: train metric {self.name!r} gave a step value of shape "
-                                     f"{tuple(value.shape)}; a per-step value must be one number (or set the "
-                                     f"metric's epoch_only so it is written once per epoch)")
-                value = value.reshape(())
-            self.buffer[len(self.points)].copy_(value)
-            self.points.append((step, None))
-        else:
-            self.points.append((step, to_number(value)))
-        return len(self.points) >= self.capacity
-
-    def drain(self) -> List[Tuple[int, float]]:
-        points, self.points = self.points, []
-        if not points:
-            return []
-        on_device = self.buffer[:len(points)].tolist() if self.buffer is not None else []
-        return [(step, on_device[i] if number is None else number) for i, (step, number) in enumerate(points)]
-
-
 class TensorboardHook(BaseHook):
     """Writes metrics as TensorBoard scalars to ``log_dir/{mode}_rank_{rank}`` (e.g. ``global_rank_0``).
 
@@ -134,29 +94,27 @@ class TensorboardHook(BaseHook):
     def __init__(self, log_dir: str, ranks: Optional[Iterable[int]] = None,
                  parallel_mode: ParallelMode = ParallelMode.GLOBAL, priority: int = 10):
         super().__init__(priority)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as err:
-            raise ImportError("TensorboardHook needs the tensorboard package, which is not installed: "
-                              "pip install tensorboard (or pip install 'colossal_lite[tensorboard]')") from err
         if not isinstance(parallel_mode, ParallelMode):
             raise TypeError(f"TensorboardHook(parallel_mode=...) must be a ParallelMode, got {parallel_mode!r}")
-        self._writer_cls = SummaryWriter
         self._rank = gpc.get_local_rank(parallel_mode)
+        self._tracker = TensorBoardTracker(filename_suffix=f"_rank_{self._rank}", who="TensorboardHook")
         self._is_valid_rank_to_log = ranks is None or self._rank in set(ranks)
         self.log_dir = os.path.join(str(log_dir), f"{parallel_mode.value}_rank_{self._rank}")
-        self.writer = None
-        self._series: Dict[str, _StepSeries] = {}  # per-step points of the train metrics, by name
+        self._series: Dict[str, StepSeries] = {}  # per-step points of the train metrics, by name
+
+    @property
+    def writer(self):
+        """The ``SummaryWriter`` of this rank (None before the hook is attached, on a rank that does not write)."""
+        return self._tracker.writer
 
     def after_hook_is_attached(self, trainer):
         if self._is_valid_rank_to_log and self.writer is None:
-            os.makedirs(self.log_dir, exist_ok=True)
-            self.writer = self._writer_cls(log_dir=self.log_dir, filename_suffix=f"_rank_{self._rank}")
+            self._tracker.open(Path(self.log_dir))
 
     def _flush_pending(self) -> None:
         for name, series in self._series.items():
             for step, number in series.drain():
-                self.writer.add_scalar(f"{name}/train", number, step)
+                self._tracker.log_metrics({f"{name}/train": number}, step)
 
     def after_train_iter(self, trainer, *args):
         if not (self._is_valid_rank_to_log and trainer.state.stepped):
@@ -169,7 +127,7 @@ class TensorboardHook(BaseHook):
                 if value is not None:
                     series = self._series.get(name)
                     if series is None:
-                        series = self._series[name] = _StepSeries(self.flush_every, name)
+                        series = self._series[name] = StepSeries(self.flush_every, name)
                     full = series.add(value, step) or full
         if full:
             self._flush_pending()
@@ -180,9 +138,8 @@ class TensorboardHook(BaseHook):
                   if metric.epoch_only or not only_epoch_only]
         if self._is_valid_rank_to_log:
             self._flush_pending()
-            for name, value in values:
-                self.writer.add_scalar(f"{name}/{phase}", value, trainer.state.step)
-            self.writer.flush()
+            self._tracker.log_metrics({f"{name}/{phase}": value for name, value in values}, trainer.state.step)
+            self._tracker.flush()
 
     def after_train_epoch(self, trainer):
         self._write_epoch_values(trainer, "train", only_epoch_only=True)
@@ -193,14 +150,13 @@ class TensorboardHook(BaseHook):
     def after_train(self, trainer):
         if self.writer is not None:
             self._flush_pending()
-            self.writer.flush()
+            self._tracker.flush()
 
     def close(self) -> None:
         """Write what is buffered and close the event file."""
         if self.writer is not None:
             self._flush_pending()
-            self.writer.close()
-            self.writer = None
+            self._tracker.finish()
 
 
 class LogTimingByEpochHook(LogByEpochHook):

@@ -1,0 +1,96 @@
+"""``StepSeries``: one metric's per-step values, kept without a host-device sync until they are read together."""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..core.dist import all_reduce_sum_, world_size
+from .progress import to_number
+
+__all__ = ["StepSeries", "drain_series"]
+
+Point = Tuple[int, float]
+
+
+class StepSeries:
+    """One metric's per-step points until they are read.
+
+    A device value is copied into a preallocated float32 buffer on its device (two small ops, no host sync),
+    so no tensor is kept alive per step (hundreds of small live tensors fragment the CPU heap); a host number
+    is kept as it is. ``drain`` reads the buffer with one device transfer; ``drain_series`` reads several
+    series with one transfer, averaged over the ranks if asked.
+    """
+
+    def __init__(self, capacity: int, name: str = "metric", average: bool = True):
+        self.capacity = capacity
+        self.name = name
+        self.average = average  # averaged over the ranks by ``drain_series`` (False: the same on every rank)
+        self.buffer: Optional[torch.Tensor] = None
+        self.points: List[Tuple[int, Optional[float]]] = []  # (step, number or None: in the buffer)
+        self.on_device = 0  # how many of the points are in the buffer
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    def add(self, value: Any, step: int) -> bool:
+        """Keep one point; True when the series is full."""
+        if isinstance(value, torch.Tensor):
+            if self.buffer is None:
+                self.buffer = torch.empty(self.capacity, dtype=torch.float32, device=value.device)
+            if value.requires_grad:
+                value = value.detach()
+            if value.dim():
+                if value.numel() != 1:
+                    raise ValueError(f"train metric {self.name!r} gave a step value of shape {tuple(value.shape)}; "
+                                     f"a per-step value must be one number (or set the metric's epoch_only so it "
+                                     f"is recorded once per epoch)")
+                value = value.reshape(())
+            self.buffer[self.on_device].copy_(value)
+            self.on_device += 1
+            self.points.append((step, None))
+        else:
+            self.points.append((step, to_number(value)))
+        return len(self.points) >= self.capacity
+
+    def drain(self) -> List[Point]:
+        """This rank's points, in order, as Python numbers; the series is empty afterwards."""
+        return drain_series([self], average=False)[0]
+
+
+def drain_series(series: Sequence[StepSeries], average: bool = True,
+                 device: Optional[torch.device] = None) -> List[List[Point]]:
+    """The points of every series (emptied), read with one device transfer. With ``average`` and several ranks,
+    the values of each series whose ``average`` is set are averaged over the ranks first (one all-reduce: a
+    collective, so every rank calls it with series of the same lengths). ``device``: where host numbers are
+    reduced (the process group's device), when no series has a buffer."""
+    reduce = average and world_size() > 1
+    parts, host = [], []
+    for s in series:
+        if s.on_device:
+            parts.append(s.buffer[:s.on_device].to(torch.float64))
+        if reduce and s.average:
+            host.extend(number for _, number in s.points if number is not None)
+    if reduce:
+        where = parts[0].device if parts else (device or torch.device("cpu"))
+        flat = torch.cat(parts + [torch.tensor(host, dtype=torch.float64, device=where)])
+        values = (all_reduce_sum_(flat) / world_size()).tolist()
+    else:
+        values = torch.cat(parts).tolist() if parts else []
+    return _rebuild(series, values, reduce)
+
+
+def _rebuild(series: Sequence[StepSeries], values: List[float], reduced: bool) -> List[List[Point]]:
+    """The points of each series with ``values`` (the device values in series order, then the averaged host
+    numbers) put in place of what was read; empties the series."""
+    devices = iter(values)
+    on_device = [[next(devices) for _ in range(s.on_device)] for s in series]
+    hosts = devices  # what is left: the averaged host numbers, in series order
+    out = []
+    for s, device_values in zip(series, on_device):
+        read = iter(device_values)
+        averaged = reduced and s.average
+        out.append([(step, next(read) if number is None else (next(hosts) if averaged else number))
+                    for step, number in s.points])
+        s.points, s.on_device = [], 0
+    return out

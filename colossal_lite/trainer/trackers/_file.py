@@ -1,0 +1,75 @@
+"""``MetricsFile``: the run's records as ``metrics.jsonl`` (and ``metrics.csv``), one line per value."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from ...checkpoint.io import atomic_write_text
+from ..history import FIELDS
+from ._base import RunInfo, Tracker, require_dir
+
+__all__ = ["MetricsFile", "JSONL_NAME", "CSV_NAME"]
+
+JSONL_NAME = "metrics.jsonl"
+CSV_NAME = "metrics.csv"
+
+
+def _jsonl(records: List[Dict[str, Any]]) -> str:
+    return "".join(json.dumps({k: r[k] for k in FIELDS}) + "\n" for r in records)
+
+
+def _csv(records: List[Dict[str, Any]], header: bool) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    if header:
+        writer.writerow(FIELDS)
+    writer.writerows([[r[k] for k in FIELDS] for r in records])
+    return out.getvalue()
+
+
+class MetricsFile(Tracker):
+    """Writes every record to ``metrics.jsonl`` in ``log_dir`` (one JSON object per line: step, epoch, name,
+    value, time), and with ``csv=True`` to ``metrics.csv`` too (header ``step,epoch,name,value,time``).
+
+    ``log_dir``: the folder (None: the run's, i.e. ``fit(log_dir=...)`` or the checkpoint folder). ``fit`` adds
+    one by default when the run has a folder. When a fit starts, the files are rewritten (atomically) with the
+    records of the run so far, which a resumed run gets back from its checkpoint, so what a crashed run wrote
+    after its last checkpoint is replaced by what the resumed run records: no step appears twice.
+    """
+
+    def __init__(self, log_dir: Union[str, Path, None] = None, csv: bool = False):
+        self.log_dir: Optional[Path] = None if log_dir is None else Path(log_dir)
+        self.csv = bool(csv)
+        self.path: Optional[Path] = None  # metrics.jsonl, once started
+        self._files: List[Any] = []
+
+    def start(self, run: RunInfo) -> None:
+        folder = require_dir(self, self.log_dir, run, "log_dir")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / JSONL_NAME
+        earlier = run.history.records
+        atomic_write_text(self.path, _jsonl(earlier))
+        paths = [self.path]
+        if self.csv:
+            atomic_write_text(folder / CSV_NAME, _csv(earlier, header=True))
+            paths.append(folder / CSV_NAME)
+        self._files = [open(path, "a", encoding="utf-8") for path in paths]  # noqa: SIM115 - closed in finish
+
+    def log_metrics(self, metrics: Dict[str, float], step: int, epoch: int, time: float) -> None:
+        records = [{"step": step, "epoch": epoch, "name": name, "value": value, "time": time}
+                   for name, value in metrics.items()]
+        texts = [_jsonl(records)] + ([_csv(records, header=False)] if self.csv else [])
+        for handle, text in zip(self._files, texts):
+            handle.write(text)
+            handle.flush()
+
+    def finish(self, status: str = "FINISHED") -> None:
+        for handle in self._files:
+            handle.close()
+        self._files = []
+
+    def __repr__(self) -> str:
+        return f"MetricsFile(log_dir={None if self.log_dir is None else str(self.log_dir)!r}, csv={self.csv})"

@@ -1,0 +1,260 @@
+"""fit's history and metrics file: the values a hand-written loop computes, the same after a crash and a resume
+(in memory and on disk, no step twice), the same on both ranks of a 2-process run, and the trackers they feed."""
+import csv
+import json
+import math
+import textwrap
+
+import pytest
+import torch
+from dist_helpers import run_torchrun
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from colossal_lite.engine.engine import Engine
+from colossal_lite.nn.metric import Accuracy
+from colossal_lite.trainer import Trainer
+from colossal_lite.trainer._recorder import Recorder
+from colossal_lite.trainer.hooks import AccuracyHook, BaseHook, LossHook, LRSchedulerHook, SaveCheckpointHook
+from colossal_lite.trainer.trackers import MetricsFile, TensorBoardTracker, Tracker
+from colossal_lite.utils import get_dataloader
+
+
+def dataset(n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def build(shuffle=True):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    engine = Engine(model, opt, nn.CrossEntropyLoss())
+    return model, engine, sched, get_dataloader(dataset(), shuffle=shuffle, seed=7, batch_size=8)
+
+
+def hooks_for(sched):
+    return [LossHook(), AccuracyHook(Accuracy(), track_train=True), LRSchedulerHook(sched, by_epoch=False)]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_history_holds_what_a_hand_written_loop_computes(tmp_path):
+    model, engine, sched, loader = build(shuffle=False)
+    test = [(x, y) for x, y in get_dataloader(dataset(12, seed=1), batch_size=6)]
+    history = Trainer(engine).fit(loader, epochs=2, test_dataloader=test, hooks=hooks_for(sched), log_dir=tmp_path)
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    data, losses, lrs, epoch_loss, test_loss = dataset(), [], [], [], []
+    for _ in range(2):
+        weighted = 0.0
+        for i in range(0, 40, 8):
+            x, y = data[i:i + 8]
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(ref(x), y)
+            loss.backward()
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            ref_sched.step()
+            losses.append(loss.item())
+            weighted += loss.item() * 8
+        epoch_loss.append(weighted / 40)
+        with torch.no_grad():
+            test_loss.append(sum(nn.functional.cross_entropy(ref(x), y).item() * 6 for x, y in test) / 12)
+
+    assert history["train/Loss_step"] == pytest.approx(losses, rel=1e-6)
+    assert history["lr"] == pytest.approx(lrs, rel=1e-12)  # the LR each step used (the schedule moved after it)
+    assert history["train/Loss"] == pytest.approx(epoch_loss, rel=1e-6)
+    assert history["test/Loss"] == pytest.approx(test_loss, rel=1e-5)
+    assert [row["step"] for row in history.steps] == list(range(1, 11))
+    assert [(row["epoch"], row["step"]) for row in history.epochs] == [(0, 5), (1, 10)]
+    assert history.epochs[1]["lr"] == lrs[-1] and 0 <= history.epochs[0]["train/Accuracy"] <= 1
+    assert all(isinstance(r["value"], float) for r in history)  # plain Python numbers
+    # the file holds the same records, one JSON object per line
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["epoch"], r["name"], r["value"]) for r in lines] == history.without_time()
+    assert all(set(r) == {"step", "epoch", "name", "value", "time"} for r in lines)
+
+
+class CrashAt(BaseHook):
+    def __init__(self, step):
+        super().__init__(priority=100)
+        self.step = step
+
+    def after_train_iter(self, trainer, *args):
+        if trainer.state.stepped and trainer.state.step == self.step:
+            raise RuntimeError("simulated crash")
+
+
+def test_a_resumed_run_has_the_uninterrupted_runs_history_and_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(Recorder, "flush_every", 2)  # flushes inside epochs too
+    _, engine, sched, loader = build()
+    test = [(x, y) for x, y in get_dataloader(dataset(12, seed=1), batch_size=6)]
+    ref = Trainer(engine).fit(loader, epochs=3, test_dataloader=test, hooks=hooks_for(sched) + [
+        SaveCheckpointHook("4ba", tmp_path / "ref")])
+    assert len(ref.steps) == 15
+
+    _, engine, sched, loader = build()
+    with pytest.raises(RuntimeError, match="simulated crash"):  # after the checkpoint of step 8 and the epoch end
+        Trainer(engine).fit(loader, epochs=3, test_dataloader=test, hooks=hooks_for(sched) + [  # of step 10
+            SaveCheckpointHook("4ba", tmp_path / "run"), CrashAt(11)])
+    written = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert max(r["step"] for r in written) >= 10  # the crashed run wrote past its last checkpoint
+
+    _, engine, sched, loader = build()
+    trainer = Trainer(engine)
+    resumed = trainer.fit(loader, epochs=3, test_dataloader=test, resume_from="last",
+                          hooks=hooks_for(sched) + [SaveCheckpointHook("4ba", tmp_path / "run")])
+    assert trainer.restored_from.name == "epoch1-step8"
+    assert resumed.without_time() == ref.without_time()
+    on_disk = [(r["step"], r["epoch"], r["name"], r["value"]) for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert on_disk == ref.without_time()  # appended across the resume, no step twice
+    assert on_disk == [(r["step"], r["epoch"], r["name"], r["value"])
+                       for r in read_jsonl(tmp_path / "ref" / "metrics.jsonl")]
+
+
+def test_a_later_fit_goes_on_with_the_history_and_the_csv_form_matches(tmp_path):
+    _, engine, sched, loader = build()
+    trainer = Trainer(engine)
+    first = trainer.fit(loader, epochs=1, hooks=hooks_for(sched), trackers=[MetricsFile(tmp_path, csv=True)])
+    assert len(first.steps) == 5
+    second = trainer.fit(loader, epochs=2, hooks=hooks_for(sched), trackers=[MetricsFile(tmp_path, csv=True)])
+    assert second is trainer.history and [row["step"] for row in second.steps] == list(range(1, 11))
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["step", "epoch", "name", "value", "time"]
+    assert [(int(r["step"]), int(r["epoch"]), r["name"], float(r["value"])) for r in rows] == second.without_time()
+
+
+class Collect(Tracker):
+    """A tracker in a few lines: what it was given, and how the run ended."""
+
+    def __init__(self):
+        self.points, self.status, self.checkpoints = [], [], []
+
+    def log_metrics(self, metrics, step, epoch, time):
+        self.points.extend((step, epoch, name, value) for name, value in metrics.items())
+
+    def log_checkpoint(self, path):
+        self.checkpoints.append(path)
+
+    def finish(self, status="FINISHED"):
+        self.status.append(status)
+
+
+def test_a_users_tracker_gets_every_record_the_final_checkpoint_and_the_end(tmp_path):
+    _, engine, sched, loader = build()
+    mine = Collect()
+    history = Trainer(engine).fit(loader, epochs=2, hooks=hooks_for(sched) + [SaveCheckpointHook(1, tmp_path)],
+                                  trackers=[mine])
+    assert mine.points == history.without_time() and mine.status == ["FINISHED"]
+    assert [p.name for p in mine.checkpoints] == ["epoch1-step10"]
+    assert (tmp_path / "metrics.jsonl").is_file()  # the default file, next to the checkpoints
+
+    crashed = Collect()
+    _, engine, sched, loader = build()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        Trainer(engine).fit(loader, epochs=2, hooks=hooks_for(sched) + [CrashAt(3)], trackers=[crashed], log_dir=False)
+    assert crashed.status == ["FAILED"] and crashed.checkpoints == []
+
+
+def test_tensorboard_tracker_writes_the_history(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, engine, sched, loader = build()
+    history = Trainer(engine).fit(loader, epochs=2, hooks=hooks_for(sched), log_dir=tmp_path,
+                                  trackers=[TensorBoardTracker()])
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == set(history.names)
+    for name in history.names:
+        points = [(e.step, e.value) for e in acc.Scalars(name)]
+        assert points == [(s, pytest.approx(v, rel=1e-6)) for s, v in history.series(name)], name
+
+
+def test_bad_trackers_and_log_dirs_say_what_to_fix(tmp_path):
+    _, engine, sched, loader = build()
+    trainer = Trainer(engine)
+    with pytest.raises(TypeError, match=r"fit\(trackers=...\)\[0\] is a str, not a tracker"):
+        trainer.fit(loader, epochs=1, trackers=["mlflow"])
+    with pytest.raises(TypeError, match="must be a list of trackers"):
+        trainer.fit(loader, epochs=1, trackers=Collect())
+    with pytest.raises(TypeError, match=r"fit\(log_dir=3\)"):
+        trainer.fit(loader, epochs=1, log_dir=3)
+    with pytest.raises(ValueError, match=r"TensorBoardTracker has nowhere to write: give it log_dir=..., or give "
+                                         r"fit a log_dir"):
+        trainer.fit(loader, epochs=1, trackers=[TensorBoardTracker()])
+    trainer.fit(loader, epochs=1, log_dir=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+TWO_RANKS = textwrap.dedent('''
+    import json, sys
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    import colossal_lite
+    from colossal_lite.core import global_context as gpc
+    from colossal_lite.trainer import Trainer
+    from colossal_lite.trainer.hooks import BaseHook, LossHook, LRSchedulerHook
+    from colossal_lite.utils import get_dataloader
+
+    class OwnLoss(BaseHook):
+        def __init__(self):
+            super().__init__(priority=100)
+            self.losses = []
+        def after_train_iter(self, trainer, output, label, loss):
+            self.losses.append(loss.item())
+
+    out = sys.argv[1]
+    colossal_lite.launch_from_torch(config=dict(), seed=1, verbose=False)
+    rank = gpc.get_global_rank()
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    engine, loader, _, _ = colossal_lite.initialize(model, opt, nn.CrossEntropyLoss(),
+                                                    get_dataloader(data, batch_size=4, shuffle=True), verbose=False)
+    own = OwnLoss()
+    history = Trainer(engine).fit(loader, epochs=2, log_dir=out,
+                                  hooks=[LossHook(), LRSchedulerHook(sched, by_epoch=False), own])
+    line = json.dumps({"rank": rank, "history": history.without_time(), "own": own.losses})
+    print(line + "\\n", end="", flush=True)
+    gpc.destroy()
+''')
+
+
+def test_two_ranks_record_the_same_history_and_rank_0_writes_the_file(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(TWO_RANKS)
+    proc = run_torchrun(script, [tmp_path / "out"], nproc=2, timeout=120)
+    ranks = {r["rank"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    assert sorted(ranks) == [0, 1]
+    assert ranks[0]["history"] == ranks[1]["history"]
+    steps = [v for _, _, name, v in ranks[0]["history"] if name == "train/Loss_step"]
+    both = [(a + b) / 2 for a, b in zip(ranks[0]["own"], ranks[1]["own"])]
+    assert len(steps) == 8 and steps == pytest.approx(both, rel=1e-6)  # the step value is the ranks' mean
+    epochs = [v for _, _, name, v in ranks[0]["history"] if name == "train/Loss"]
+    assert epochs[0] == pytest.approx(sum(ranks[0]["own"][:4] + ranks[1]["own"][:4]) / 8, rel=1e-6)
+    written = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert [[r["step"], r["epoch"], r["name"], r["value"]] for r in written] == ranks[0]["history"]
+    assert not math.isnan(steps[-1])
+
+
+def test_the_docs_page_runs_and_its_file_has_each_step_once(tmp_path):
+    from dist_helpers import doc_python_blocks, run_python
+
+    (tmp_path / "page.py").write_text("".join(doc_python_blocks("docs/metrics.md")))
+    out = run_python(tmp_path / "page.py", cwd=tmp_path, timeout=180).stdout
+    assert "24 steps 0.1" in out and "step 32: test accuracy" in out and "run finished" in out, out
+    records = read_jsonl(tmp_path / "runs" / "metrics_demo" / "metrics.jsonl")
+    steps = [r["step"] for r in records if r["name"] == "train/Loss_step"]
+    assert steps == list(range(1, 33))
