@@ -1,4 +1,4 @@
-"""``colossal-lite ckpt info PATH``, ``ckpt export PATH OUT`` and ``ckpt merge PATH OUT``.
+"""``colossal-lite ckpt info PATH``, ``ckpt export PATH OUT [--ema]`` and ``ckpt merge PATH OUT``.
 
 ``register(subparsers)`` adds the ``ckpt`` command to a parser; ``run(args)`` executes it. Also
 runnable alone: ``python -m colossal_lite.checkpoint.cli info PATH``.
@@ -7,22 +7,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..pipe_exit import quiet_on_broken_pipe
-from .io import CheckpointError, atomic_save, format_bytes, load_single_file, tensor_bytes
-from .manager import (
-    checkpoint_info,
-    has_sharded_state,
-    is_single_file,
-    load_shared,
-    merge_sharded,
-    model_state_from,
-    resolve_path,
-)
+from .io import CheckpointError, atomic_save, format_bytes, tensor_bytes
+from .manager import checkpoint_info
 from .manager import merge_checkpoint as merged_content
-from .model_state import strip_prefix
+from .weights import read_weights
 
 DESCRIPTION = "Inspect a checkpoint, export its model weights, or merge a sharded one into one file."
 
@@ -43,6 +34,10 @@ def _add_commands(sub) -> None:
     export.add_argument("path", help="a checkpoint folder (sharded ones too), pointer, checkpoint directory, merged "
                                      "file or save_checkpoint file")
     export.add_argument("out", help="output file, loadable with torch.load(out, weights_only=True)")
+    export.add_argument("--ema", action="store_true",
+                        help="write the EMA average an EMAHook kept instead of the live (training) weights")
+    export.add_argument("--ema-hook", metavar="KEY", default=None,
+                        help="with several EMAHooks: the one whose average to write, e.g. EMAHook.1 (implies --ema)")
     merge = sub.add_parser("merge", help="turn a sharded (zero stage 2/3) checkpoint into one file that resumes with "
                                          "any number of ranks and any zero stage")
     merge.add_argument("path", help="a checkpoint folder, pointer or checkpoint directory written by a sharded run")
@@ -92,21 +87,12 @@ def _info(path: str) -> int:
     return 0
 
 
-def _export(path: str, out: str) -> int:
-    p = Path(path)
-    if is_single_file(p):
-        state = load_single_file(p)
-        if not isinstance(state, dict):
-            raise ValueError(f"{p} does not hold a checkpoint dict")
-    else:
-        folder = resolve_path(p)
-        state = load_shared(folder)
-        if has_sharded_state(folder) and "model" not in (state.get("engine") or {}):
-            state = {"model": merge_sharded(folder)["model"]}  # a zero stage 2/3 checkpoint: its shards, merged
-    weights = strip_prefix(dict(model_state_from(state)))
-    atomic_save(weights, out)
-    print(f"wrote {len(weights)} tensors ({format_bytes(tensor_bytes(weights))}) to {out}; load them with "
-          f"model.load_state_dict(torch.load({str(out)!r}, weights_only=True))")
+def _export(path: str, out: str, ema=False) -> int:
+    weights = read_weights(path, ema)
+    atomic_save(weights.state, out)
+    what = "" if weights.steps is None else f" (the EMA weights of {weights.source}, {weights.steps} steps averaged)"
+    print(f"wrote {len(weights.state)} tensors ({format_bytes(tensor_bytes(weights.state))}){what} to {out}; load "
+          f"them with model.load_state_dict(torch.load({str(out)!r}, weights_only=True))")
     return 0
 
 
@@ -131,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if args.ckpt_command == "info":
             return _info(args.path)
         if args.ckpt_command == "export":
-            return _export(args.path, args.out)
+            return _export(args.path, args.out, args.ema_hook or args.ema)
         if args.ckpt_command == "merge":
             return _merge(args.path, args.out)
     except BrokenPipeError:
@@ -144,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
 @quiet_on_broken_pipe
 def main(argv: Optional[List[str]] = None) -> int:
-    """``info PATH``, ``export PATH OUT`` or ``merge PATH OUT``; a leading ``ckpt`` (the words that follow
+    """``info PATH``, ``export PATH OUT [--ema]`` or ``merge PATH OUT``; a leading ``ckpt`` (the words that follow
     ``colossal-lite``) is accepted too."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["ckpt"]:

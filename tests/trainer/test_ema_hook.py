@@ -102,7 +102,7 @@ def test_decay_outside_0_1_is_refused():
 
 
 def test_the_docs_snippet_runs(tmp_path):
-    (snippet,) = doc_python_blocks("docs/ema.md")
+    snippet = doc_python_blocks("docs/ema.md")[0]
     (tmp_path / "snippet.py").write_text(snippet)
     proc = run_python(tmp_path / "snippet.py", cwd=tmp_path, timeout=120)
     assert "ema steps 16 keys" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

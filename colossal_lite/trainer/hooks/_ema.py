@@ -20,8 +20,10 @@ class EMAHook(BaseHook):
     weights trade places, and trade back after it, so training goes on from its own weights. The first applied
     step copies the weights (the average starts at them). ``state_dict`` holds the average and its count, so a
     resumed run's EMA weights are the uninterrupted run's. ``ema_model`` is the ``AveragedModel`` (its
-    ``module`` the averaged copy) for use after ``fit``. Every rank keeps its own copy, equal on every rank as
-    the weights are under data parallelism.
+    ``module`` the averaged copy) for use after ``fit``; out of a checkpoint (the ``best`` one, say) the average
+    comes with ``colossal_lite.checkpoint.load_weights(path, ema=True)`` or ``colossal-lite ckpt export PATH OUT
+    --ema``, while the checkpoint's model entry stays the live weights a resume continues from. Every rank keeps
+    its own copy, equal on every rank as the weights are under data parallelism.
     """
 
     def __init__(self, decay: float = 0.999, priority: int = 5):
@@ -65,6 +67,22 @@ class EMAHook(BaseHook):
             a.copy_(b)
             b.copy_(held)
         self._swapped = not self._swapped
+
+    def on_save_checkpoint(self, trainer, checkpoint: Dict[str, Any]) -> None:
+        """A checkpoint taken during evaluation (a hook saving in ``after_test_epoch``) read the model while it held
+        the average: its ``engine`` -> ``model`` gets the live weights back, so a resume continues training from
+        them and the average stays in this hook's state only."""
+        if not self._swapped:
+            return
+        engine = checkpoint.get("engine") or {}
+        if "model" not in engine:
+            raise RuntimeError("a checkpoint of a zero stage 2/3 run was asked for during evaluation, while EMAHook "
+                               "has the average in the model: save after evaluation (SaveCheckpointHook does)")
+        live = self.ema_model.module.state_dict()  # while swapped, the averaged copy holds the live weights
+        if set(live) != set(engine["model"]):
+            raise RuntimeError(f"EMAHook: the checkpoint's model keys differ from the averaged copy's: "
+                               f"{sorted(set(live) ^ set(engine['model']))[:10]}")
+        checkpoint["engine"] = dict(engine, model={k: v.detach().clone() for k, v in live.items()})
 
     def state_dict(self) -> Dict[str, Any]:
         if self.ema_model is None:
