@@ -24,9 +24,11 @@ setup(
         "psutil",
     ],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout", "numpy", "scikit-learn", "ruff", "tensorboard", "torchmetrics"],
+        "dev": ["pytest>=7", "pytest-timeout", "numpy", "scikit-learn", "ruff", "tensorboard", "torchmetrics",
+                "matplotlib"],
         "examples": ["scikit-learn"],
         "tensorboard": ["tensorboard"],
+        "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["colossal-lite=colossal_lite.cli:main"]},
 )
