@@ -26,10 +26,11 @@ setup(
     extras_require={
         # mlflow-skinny is the MLflow client the tests need (the full ``mlflow`` package depends on it)
         "dev": ["pytest>=7", "pytest-timeout", "numpy", "scikit-learn", "ruff", "tensorboard", "torchmetrics",
-                "mlflow-skinny>=2.12"],
+                "matplotlib", "mlflow-skinny>=2.12"],
         "examples": ["scikit-learn"],
         "tensorboard": ["tensorboard"],
         "mlflow": ["mlflow>=2.12"],
+        "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["colossal-lite=colossal_lite.cli:main"]},
 )

@@ -1,7 +1,8 @@
-"""The ``colossal-lite`` command: ``info``, ``check CONFIG.py``, ``ckpt ...``, ``--version``."""
+"""The ``colossal-lite`` command: ``info``, ``check CONFIG.py``, ``ckpt ...``, ``plot RUN``, ``--version``."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import sys
@@ -17,6 +18,8 @@ from .context.config import ConfigException
 from .context.features import describe_features
 from .context.validation import load_config
 from .pipe_exit import BROKEN_PIPE_STATUS, quiet_on_broken_pipe
+from .utils.metrics_file import MetricsFileError
+from .utils.plot import PLOT_FORMATS, PlotError, plot_metrics
 
 __all__ = ["main", "version_text", "quiet_on_broken_pipe", "BROKEN_PIPE_STATUS"]
 
@@ -47,8 +50,18 @@ def _info() -> int:
     except ImportError:
         tb = "not installed (pip install 'colossal_lite[tensorboard]')"
     lines.append(f"tensorboard extra: {tb}")
+    lines.append(f"plot extra: {_plot_extra()}")
     print("\n".join(lines))
     return 0
+
+
+def _plot_extra() -> str:
+    """Whether matplotlib can be found, without the slow import of it that `info` does not need."""
+    try:
+        found = importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):
+        found = False
+    return "installed" if found else "not installed (pip install 'colossal_lite[plot]')"
 
 
 def _check(path: str, world_size: int = 1, overrides: Optional[List[str]] = None) -> int:
@@ -72,6 +85,42 @@ def _check(path: str, world_size: int = 1, overrides: Optional[List[str]] = None
     return 0
 
 
+def _size(text: str):
+    try:
+        width, height = (float(x) for x in text.lower().replace("x", ",").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTH,HEIGHT in inches such as 11,7; got {text!r}") from None
+    if width <= 0 or height <= 0:
+        raise argparse.ArgumentTypeError(f"a size is positive inches, got {text!r}")
+    return width, height
+
+
+def _add_plot_parser(sub) -> None:
+    p = sub.add_parser("plot", help="draw a run's loss, accuracy, LR and other metrics against steps",
+                       description="Draw a run's metrics against optimizer steps, one panel per metric, train and "
+                                   "test on the same axes. Needs matplotlib: pip install 'colossal_lite[plot]'.")
+    p.add_argument("path", help="a run folder holding metrics.jsonl or metrics.csv, or such a file")
+    p.add_argument("-o", "--output", required=True,
+                   help=f"the picture to write; its suffix picks the format ({', '.join(PLOT_FORMATS)})")
+    p.add_argument("--metrics", help="the metrics to draw, in this order, e.g. Loss,Accuracy (default: all)")
+    p.add_argument("--log-y", help="metrics to draw on a log scale, e.g. Loss")
+    p.add_argument("--title", help="the figure's title (default: the path read)")
+    p.add_argument("--size", type=_size, help="WIDTH,HEIGHT of the figure in inches (default: by the panels)")
+    p.add_argument("--dpi", type=float, default=100, help="pixels per inch of a .png (default 100)")
+
+
+def _plot(args) -> int:
+    try:
+        fig = plot_metrics(args.path, args.output, metrics=args.metrics, title=args.title, log_y=args.log_y,
+                           size=args.size, dpi=args.dpi)
+    except (MetricsFileError, PlotError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    panels = ", ".join(f"{ax.get_title()} ({len(ax.get_lines())})" for ax in fig.axes)
+    print(f"wrote {args.output}: {panels}")
+    return 0
+
+
 @quiet_on_broken_pipe
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="colossal-lite", description="colossal_lite command-line tools")
@@ -86,6 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value first, as a training script's --set does (repeatable)")
     ckpt_cli.register(sub)
+    _add_plot_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
@@ -93,6 +143,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _check(args.config, args.world_size, args.set)
     if args.command == "ckpt":
         return ckpt_cli.run(args)
+    if args.command == "plot":
+        return _plot(args)
     return 2
 
 
