@@ -19,17 +19,18 @@ from ._metric_hook import (
     ThroughputMetric,
 )
 from ._mixup import MixUp
+from ._profiler import ProfilerHook
 
 __all__ = [
     "BaseHook", "MetricHook", "LossHook", "AccuracyHook", "LRSchedulerHook", "LogMetricByStepHook",
     "LogMetricByEpochHook", "TensorboardHook", "LogTimingByEpochHook", "LogMemoryByEpochHook", "ThroughputHook",
     "EarlyStoppingHook", "EMAHook", "MixUp", "LogByEpochHook", "SaveCheckpointHook", "LoadCheckpointHook",
-    "Metric", "LossMetric", "AccuracyMetric", "LearningRateMetric", "ThroughputMetric",
+    "Metric", "LossMetric", "AccuracyMetric", "LearningRateMetric", "ThroughputMetric", "ProfilerHook",
 ]
 
 # legacy registered every built-in hook, so a config or builder can name one: HOOKS.get_module('LossHook')
 for _hook in (LossHook, AccuracyHook, LRSchedulerHook, LogMetricByStepHook, LogMetricByEpochHook, TensorboardHook,
               LogTimingByEpochHook, LogMemoryByEpochHook, ThroughputHook, EarlyStoppingHook, EMAHook, MixUp,
-              SaveCheckpointHook, LoadCheckpointHook):
+              SaveCheckpointHook, LoadCheckpointHook, ProfilerHook):
     HOOKS.register_module(_hook)
 del _hook
