@@ -41,12 +41,12 @@ SCRIPT = textwrap.dedent("""
         def after_train_iter(self, trainer, *args):
             if trainer.state.stepped and slow:
                 if gpc.get_global_rank() == 0:
-                    print(f"step {trainer.cur_step}", flush=True)
+                    print(f"step {trainer.cur_step}\\n", end="", flush=True)  # one write: the ranks' lines never mix
                 time.sleep(0.05)  # slow enough that the Ctrl-C lands mid-epoch
 
     Trainer(engine).fit(loader, epochs=1, hooks=[LossHook(), Steps(), SaveCheckpointHook(1000, ck)],
                         resume_from="auto", display_progress=False)
-    print(f"finished at step {engine.num_updates}", flush=True)
+    print(f"finished at step {engine.num_updates}\\n", end="", flush=True)
 """)
 
 

@@ -46,7 +46,8 @@ SCRIPT = textwrap.dedent("""
     colossal_lite.launch_from_torch(config={}, seed=5, timeout=30)
     rank = gpc.get_global_rank()
     print(f"worker: global rank {rank}, local rank {gpc.get_local_rank()}, world size {gpc.get_world_size()}, "
-          f"device {gpc.device}, restart count {os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+          f"device {gpc.device}, restart count {os.environ['TORCHELASTIC_RESTART_COUNT']}\\n", end="",
+          flush=True)  # one write: the agent's log lines share this pipe
     get_dist_logger().info("rank 0 only: start")
 
 

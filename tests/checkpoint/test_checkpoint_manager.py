@@ -250,16 +250,16 @@ _TWO_RANKS = textwrap.dedent("""
     m = CheckpointManager(d, keep_last_n=1)
     shared = {"model": {"w": torch.arange(6.0)}, "trainer": {"step": 5}}
     p = m.save("epoch0-step5", shared if r == 0 else None, {"rank": r, "noise": torch.full((2,), float(r))})
-    print(f"rank{r} saved {p.name} files={sorted(os.listdir(p))}", flush=True)
+    print(f"rank{r} saved {p.name} files={sorted(os.listdir(p))}\\n", end="", flush=True)  # one write: lines never mix
     sh, rs = m.load("last")
     print(f"rank{r} loaded step={sh['trainer']['step']} w={sh['model']['w'].tolist()} "
-          f"rank={rs['rank']} noise={rs['noise'].tolist()}", flush=True)
+          f"rank={rs['rank']} noise={rs['noise'].tolist()}\\n", end="", flush=True)
     bad = {"rank": r, "fn": (lambda: 0) if r == 1 else 0}  # only rank 1 fails
     try:
         m.save("epoch0-step6", shared if r == 0 else None, bad)
     except Exception as e:
-        print(f"rank{r} error {type(e).__name__}: {e}", flush=True)
-    print(f"rank{r} after {sorted(os.listdir(d))} last={(d / 'last').read_text().strip()}", flush=True)
+        print(f"rank{r} error {type(e).__name__}: {e}\\n", end="", flush=True)
+    print(f"rank{r} after {sorted(os.listdir(d))} last={(d / 'last').read_text().strip()}\\n", end="", flush=True)
     # the legacy single-file API: rank 0 writes, every rank reads, DDP-wrapped or not
     from colossal_lite.utils.checkpointing import load_checkpoint, save_checkpoint
     torch.manual_seed(0)
@@ -275,8 +275,8 @@ _TWO_RANKS = textwrap.dedent("""
     same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), ddp.module.parameters()))
     bufs = [opt2.state[p]["momentum_buffer"] for p in plain.parameters()]
     same_opt = all(torch.equal(a, opt.state[p]["momentum_buffer"]) for a, p in zip(bufs, ddp.parameters()))
-    print(f"rank{r} legacy wrote={written is not None} epoch={epoch} same_weights={same} same_optimizer={same_opt}",
-          flush=True)
+    print(f"rank{r} legacy wrote={written is not None} epoch={epoch} same_weights={same} same_optimizer={same_opt}\\n",
+          end="", flush=True)
     dist.destroy_process_group()
 """)
 

@@ -267,7 +267,7 @@ TWO_RANKS = textwrap.dedent("""
         fresh = nn.Linear(4, 2)
         epoch = load_checkpoint(out / where, fresh)
         same = torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
-        print(f"rank {rank} {where} epoch={epoch} same={same}", flush=True)
+        print(f"rank {rank} {where} epoch={epoch} same={same}\\n", end="", flush=True)  # one write: lines never mix
     gpc.destroy()
 """)
 

@@ -76,7 +76,8 @@ SCRIPT = textwrap.dedent("""
         engine.zero_grad()
         engine.backward(engine.criterion(engine(x), y))
         assert engine.step()
-        print(f"rank {colossal_lite.core.global_context.get_global_rank()} step {step} done", flush=True)
+        print(f"rank {colossal_lite.core.global_context.get_global_rank()} step {step} done\\n", end="",
+              flush=True)  # one write: the ranks' lines never mix
 """)
 
 

@@ -194,7 +194,7 @@ TWO_RANKS = textwrap.dedent("""
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, [p.tolist() for p in params[1]])
     assert gathered[0] == gathered[1]
-    print("OK", gpc.get_global_rank())
+    print(f"OK {gpc.get_global_rank()}\\n", end="", flush=True)  # one write: the ranks' lines never mix
     gpc.destroy()
 """)
 
