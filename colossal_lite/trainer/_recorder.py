@@ -84,7 +84,7 @@ class Recorder(BaseHook):
         self._step_metrics = [(metric, StepSeries(self.flush_every, f"train/{name}_step"))
                               for name, metric in trainer.states["metrics"]["train"].items()
                               if not metric.epoch_only and not isinstance(metric, LearningRateMetric)]
-        run = RunInfo(log_dir=self.log_dir, params=self.params, history=History(self.history.records), step=st.step,
+        run = RunInfo(log_dir=self.log_dir, params=self.params, history=self.history, step=st.step,
                       resumed_from=trainer.restored_from)
         self.started = True  # (from here on a failing fit finishes the trackers, those that started included)
         error = self._start_trackers(run) if self._writes else None
@@ -163,8 +163,7 @@ class Recorder(BaseHook):
         values = {f"{phase}/{name}": _number(metric.get_accumulated_value())
                   for name, metric in trainer.states["metrics"][phase].items()
                   if not isinstance(metric, LearningRateMetric)}
-        self._publish([{"step": st.step, "epoch": st.epoch, "name": name, "value": value, "time": now}
-                       for name, value in values.items() if value is not None])
+        self._publish([(st.step, st.epoch, now, {name: value for name, value in values.items() if value is not None})])
 
     def flush(self) -> None:
         """Read the per-step values kept so far into the history and the trackers (every rank calls it)."""
@@ -176,19 +175,18 @@ class Recorder(BaseHook):
             for step, value in points:
                 by_step.setdefault(step, {})[s.name] = value
         times, self._times = self._times, []
-        self._publish([{"step": step, "epoch": epoch, "name": name, "value": value, "time": at}
-                       for step, epoch, at in times for name, value in by_step.get(step, {}).items()])
+        self._publish([(step, epoch, at, by_step.get(step, {})) for step, epoch, at in times])
 
-    def _publish(self, records: List[Dict[str, Any]]) -> None:
-        self.history.add(records)
-        if not (self._writes and self.trackers and records):
+    def _publish(self, points: List[Tuple[int, int, float, Dict[str, float]]]) -> None:
+        """``(step, epoch, time, {name: value})`` into the history, then to the trackers (rank 0)."""
+        for step, epoch, at, metrics in points:
+            self.history.add_values(step, epoch, at, metrics)
+        if not (self._writes and self.trackers):
             return
-        groups: Dict[Tuple[int, int, float], Dict[str, float]] = {}
-        for r in records:
-            groups.setdefault((r["step"], r["epoch"], r["time"]), {})[r["name"]] = r["value"]
-        for (step, epoch, at), metrics in groups.items():
-            for tracker in self.trackers:
-                tracker.log_metrics(metrics, step=step, epoch=epoch, time=at)
+        for step, epoch, at, metrics in points:
+            if metrics:
+                for tracker in self.trackers:
+                    tracker.log_metrics(metrics, step=step, epoch=epoch, time=at)
 
     # -- checkpoint -------------------------------------------------------------------------------
     def tracker_states(self) -> Dict[str, Dict[str, Any]]:

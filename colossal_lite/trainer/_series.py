@@ -16,11 +16,14 @@ Point = Tuple[int, float]
 class StepSeries:
     """One metric's per-step points until they are read.
 
-    A device value is copied into a preallocated float32 buffer on its device (two small ops, no host sync),
-    so no tensor is kept alive per step (hundreds of small live tensors fragment the CPU heap); a host number
-    is kept as it is. ``drain`` reads the buffer with one device transfer; ``drain_series`` reads several
-    series with one transfer, averaged over the ranks if asked.
+    A device value is held as it is for a few steps, then ``fold_every`` of them are copied into a
+    preallocated float32 buffer on their device with one stack (no host sync, and one kernel per
+    ``fold_every`` steps instead of one per step), so only a few small tensors are alive at a time (hundreds of
+    them fragment the CPU heap); a host number is kept as it is. ``drain`` reads the buffer with one device
+    transfer; ``drain_series`` reads several series with one transfer, averaged over the ranks if asked.
     """
+
+    fold_every = 16
 
     def __init__(self, capacity: int, name: str = "metric", average: bool = True):
         self.capacity = capacity
@@ -28,7 +31,8 @@ class StepSeries:
         self.average = average  # averaged over the ranks by ``drain_series`` (False: the same on every rank)
         self.buffer: Optional[torch.Tensor] = None
         self.points: List[Tuple[int, Optional[float]]] = []  # (step, number or None: in the buffer)
-        self.on_device = 0  # how many of the points are in the buffer
+        self.on_device = 0  # how many of the points are device values (in the buffer or held)
+        self._held: List[torch.Tensor] = []  # device values not yet in the buffer
 
     def __len__(self) -> int:
         return len(self.points)
@@ -46,12 +50,21 @@ class StepSeries:
                                      f"a per-step value must be one number (or set the metric's epoch_only so it "
                                      f"is recorded once per epoch)")
                 value = value.reshape(())
-            self.buffer[self.on_device].copy_(value)
+            self._held.append(value)
             self.on_device += 1
             self.points.append((step, None))
+            if len(self._held) >= self.fold_every:
+                self.fold()
         else:
             self.points.append((step, to_number(value)))
         return len(self.points) >= self.capacity
+
+    def fold(self) -> None:
+        """Copy the held device values into the buffer (one stack, one copy)."""
+        held, self._held = self._held, []
+        if held:
+            end = self.on_device
+            self.buffer[end - len(held):end].copy_(torch.stack(held))
 
     def drain(self) -> List[Point]:
         """This rank's points, in order, as Python numbers; the series is empty afterwards."""
@@ -67,6 +80,7 @@ def drain_series(series: Sequence[StepSeries], average: bool = True,
     reduce = average and world_size() > 1
     parts, host = [], []
     for s in series:
+        s.fold()
         if s.on_device:
             parts.append(s.buffer[:s.on_device].to(torch.float64))
         if reduce and s.average:

@@ -258,3 +258,22 @@ def test_the_docs_page_runs_and_its_file_has_each_step_once(tmp_path):
     records = read_jsonl(tmp_path / "runs" / "metrics_demo" / "metrics.jsonl")
     steps = [r["step"] for r in records if r["name"] == "train/Loss_step"]
     assert steps == list(range(1, 33))
+
+
+def test_a_history_keeps_columns_round_trips_and_names_what_it_has():
+    from colossal_lite.trainer.history import History
+
+    history = History({"step": s, "epoch": s // 10, "name": n, "value": s * 0.5, "time": 1.0}
+                      for s in range(1, 31) for n in ("train/Loss_step", "lr"))
+    history.add([{"step": 30, "epoch": 2, "name": "test/Loss", "value": 0.25, "time": 2.0}])
+    state = history.state_dict()
+    assert all(isinstance(state[k], torch.Tensor) for k in ("step", "epoch", "name", "value", "time"))
+    again = History()
+    again.load_state_dict(state)
+    assert again.records == history.records and len(again) == 61
+    assert again.series("test/Loss") == [(30, 0.25)] and again.last("lr") == 15.0
+    with pytest.raises(KeyError, match=r"History has no metric 'test/Accuracy'; it has \['train/Loss_step', 'lr', "
+                                       r"'test/Loss'\]"):
+        again["test/Accuracy"]
+    again.truncate(20)
+    assert [r["step"] for r in again.records][-1] == 20 and "test/Loss" not in again

@@ -441,7 +441,7 @@ def test_stop_training_flag_and_state_dict_round_trip():
     assert saved["progress"] == {"epoch": 0, "step": 3, "iteration": 3, "batch_idx": 3}
     assert saved["hooks"] == {"Counter.0": {"n": 3}} and saved["trackers"] == {}
     assert saved["history"]["names"] == ["train/Loss_step", "lr", "train/Loss"]  # the epoch cut short at step 3
-    assert saved["history"]["step"] == [1, 1, 2, 2, 3, 3, 3]
+    assert saved["history"]["step"].tolist() == [1, 1, 2, 2, 3, 3, 3]
 
     state = State()
     state.load_state_dict(saved["progress"])

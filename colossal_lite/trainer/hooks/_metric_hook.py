@@ -152,7 +152,8 @@ class Metric:
         raise NotImplementedError
 
     def last_step_value(self) -> Any:
-        """This rank's value at the last update: a device tensor or a float, or None before any update."""
+        """This rank's value at the last update: a device tensor or a float, or None before any update. A tensor
+        returned here must not be changed in place later: the history holds it for a few steps before copying it."""
         return None
 
     def get_last_step_value(self) -> Any:

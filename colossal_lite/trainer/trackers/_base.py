@@ -16,7 +16,7 @@ class RunInfo:
 
     ``log_dir``: the run's folder (``fit(log_dir=...)``, else the ``SaveCheckpointHook``'s folder; None when the
     run has none). ``params``: the config, flattened to dotted keys (``'fp16.mode'``). ``history``: the records of
-    the run so far (a resumed run's earlier ones; empty for a fresh run). ``step``: the optimizer step this fit
+    the run so far (a resumed run's earlier ones; empty for a fresh run; the trainer's own: read it, do not change it). ``step``: the optimizer step this fit
     starts after. ``resumed_from``: the checkpoint the run was restored from, or None.
     """
 
