@@ -77,34 +77,36 @@ def drain_series(series: Sequence[StepSeries], average: bool = True,
     the values of each series whose ``average`` is set are averaged over the ranks first (one all-reduce: a
     collective, so every rank calls it with series of the same lengths). ``device``: where host numbers are
     reduced (the process group's device), when no series has a buffer."""
-    reduce = average and world_size() > 1
-    parts, host = [], []
     for s in series:
         s.fold()
-        if s.on_device:
-            parts.append(s.buffer[:s.on_device].to(torch.float64))
-        if reduce and s.average:
-            host.extend(number for _, number in s.points if number is not None)
-    if reduce:
-        where = parts[0].device if parts else (device or torch.device("cpu"))
-        flat = torch.cat(parts + [torch.tensor(host, dtype=torch.float64, device=where)])
+    reduced = [average and world_size() > 1 and s.average and bool(s.points) for s in series]
+    # one tensor: the device values of the averaged series and their host numbers (all-reduced), then the
+    # device values of the others
+    summed = [s.buffer[:s.on_device] for s, r in zip(series, reduced) if r and s.on_device]
+    host = [number for s, r in zip(series, reduced) if r for _, number in s.points if number is not None]
+    kept = [s.buffer[:s.on_device] for s, r in zip(series, reduced) if not r and s.on_device]
+    values: List[float] = []
+    if any(reduced):
+        where = summed[0].device if summed else (device or torch.device("cpu"))
+        flat = torch.cat([p.to(torch.float64) for p in summed] + [torch.tensor(host, dtype=torch.float64,
+                                                                               device=where)])
         values = (all_reduce_sum_(flat) / world_size()).tolist()
-    else:
-        values = torch.cat(parts).tolist() if parts else []
-    return _rebuild(series, values, reduce)
+    if kept:
+        values += torch.cat([p.to(torch.float64) for p in kept]).tolist()
+    return _rebuild(series, reduced, values)
 
 
-def _rebuild(series: Sequence[StepSeries], values: List[float], reduced: bool) -> List[List[Point]]:
-    """The points of each series with ``values`` (the device values in series order, then the averaged host
-    numbers) put in place of what was read; empties the series."""
-    devices = iter(values)
-    on_device = [[next(devices) for _ in range(s.on_device)] for s in series]
-    hosts = devices  # what is left: the averaged host numbers, in series order
+def _rebuild(series: Sequence[StepSeries], reduced: List[bool], values: List[float]) -> List[List[Point]]:
+    """The points of each series with the numbers read (``values`` in ``drain_series``'s order) in place of
+    what was on the device, and the averaged host numbers in place of the host ones; empties the series."""
+    read = iter(values)
+    on_device = {i: [next(read) for _ in range(s.on_device)] for i, s in enumerate(series) if reduced[i]}
+    averaged_host = {i: [next(read) for _, n in s.points if n is not None] for i, s in enumerate(series) if reduced[i]}
+    on_device.update({i: [next(read) for _ in range(s.on_device)] for i, s in enumerate(series) if not reduced[i]})
     out = []
-    for s, device_values in zip(series, on_device):
-        read = iter(device_values)
-        averaged = reduced and s.average
-        out.append([(step, next(read) if number is None else (next(hosts) if averaged else number))
+    for i, s in enumerate(series):
+        device_values, host_values = iter(on_device[i]), iter(averaged_host.get(i, ()))
+        out.append([(step, next(device_values) if number is None else (next(host_values) if reduced[i] else number))
                     for step, number in s.points])
         s.points, s.on_device = [], 0
     return out

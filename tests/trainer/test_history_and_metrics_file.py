@@ -277,3 +277,34 @@ def test_a_history_keeps_columns_round_trips_and_names_what_it_has():
         again["test/Accuracy"]
     again.truncate(20)
     assert [r["step"] for r in again.records][-1] == 20 and "test/Loss" not in again
+
+
+DRAIN = textwrap.dedent('''
+    import json
+    import torch
+    import torch.distributed as dist
+    from colossal_lite.trainer._series import StepSeries, drain_series
+
+    dist.init_process_group("gloo")
+    r = dist.get_rank()
+    loss, rate, own = StepSeries(8, "loss"), StepSeries(8, "rate"), StepSeries(8, "lr", average=False)
+    for step in (1, 2, 3):
+        loss.add(torch.tensor(float(step + 10 * r)), step)  # device values, averaged
+        rate.add(float(step * (r + 1)), step)  # host numbers, averaged
+        own.add(torch.tensor(float(r)) if step == 2 else 0.5, step)  # not averaged: each rank keeps its own
+    print(json.dumps({"rank": r, "points": drain_series([loss, rate, own])}) + "\\n", end="", flush=True)
+    dist.destroy_process_group()
+''')
+
+
+def test_draining_averages_only_the_series_that_ask_for_it_over_two_ranks(tmp_path):
+    script = tmp_path / "drain.py"
+    script.write_text(DRAIN)
+    proc = run_torchrun(script, nproc=2, timeout=120)
+    got = {r["rank"]: r["points"] for r in (json.loads(line) for line in proc.stdout.splitlines()
+                                            if line.startswith("{"))}
+    for r in (0, 1):
+        loss, rate, own = got[r]
+        assert loss == [[1, 6.0], [2, 7.0], [3, 8.0]]  # (step + step + 10) / 2
+        assert rate == [[1, 1.5], [2, 3.0], [3, 4.5]]  # (step + 2 step) / 2
+        assert own == [[1, 0.5], [2, float(r)], [3, 0.5]]
