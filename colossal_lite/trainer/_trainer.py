@@ -139,20 +139,27 @@ def _iterate_from(loader, iters: int, skip: int) -> Iterator:
     return data_iter
 
 
+def _checked_list(items, cls: type, what: str, kind: str, base: str) -> list:
+    """``items`` (None: none) as a list of ``cls`` instances; the error names the one that is not, and ``base``
+    (the public name of ``cls``) to subclass."""
+    if items is None:
+        return []
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(f"{what} must be a list of {kind}s, got {type(items).__name__}")
+    for i, item in enumerate(items):
+        if not isinstance(item, cls):
+            raise TypeError(f"{what}[{i}] is a {type(item).__name__}, not a {kind}: subclass {base}")
+    return list(items)
+
+
 def _checked_hooks(hooks) -> List[BaseHook]:
     """``hooks`` as a list, each a ``BaseHook`` with a numeric priority (the error names the one that is not)."""
-    if hooks is None:
-        return []
-    if not isinstance(hooks, (list, tuple)):
-        raise TypeError(f"hooks must be a list of hooks, got {type(hooks).__name__}")
+    hooks = _checked_list(hooks, BaseHook, "hooks", "hook", "colossal_lite.trainer.hooks.BaseHook")
     for i, hook in enumerate(hooks):
-        if not isinstance(hook, BaseHook):
-            raise TypeError(f"hooks[{i}] is a {type(hook).__name__}, not a hook: subclass "
-                            f"colossal_lite.trainer.hooks.BaseHook")
         priority = getattr(hook, "priority", None)
         if isinstance(priority, bool) or not isinstance(priority, (int, float)):
             raise TypeError(f"hooks[{i}] ({type(hook).__name__}) has priority {priority!r}; it must be a number")
-    return list(hooks)
+    return hooks
 
 
 def _test_mode_result(finite: bool, checkpoint_note: Optional[str], n_train: int, n_eval: int, has_test: bool,
@@ -221,23 +228,18 @@ def _resolve_length(epochs, max_steps, max_duration, steps_per_epoch: int):
 def _run_trackers(trackers, log_dir, hooks) -> Tuple[List[Tracker], Optional[Path]]:
     """fit's trackers and the run's folder: ``log_dir``, else the SaveCheckpointHook's folder (``log_dir=False``:
     none). A run with a folder gets a ``MetricsFile`` unless ``trackers`` has one."""
-    trackers = [] if trackers is None else trackers
-    if not isinstance(trackers, (list, tuple)):
-        raise TypeError(f"fit(trackers=...) must be a list of trackers, got {type(trackers).__name__}")
-    for i, tracker in enumerate(trackers):
-        if not isinstance(tracker, Tracker):
-            raise TypeError(f"fit(trackers=...)[{i}] is a {type(tracker).__name__}, not a tracker: subclass "
-                            f"colossal_lite.trainer.trackers.Tracker")
+    trackers = _checked_list(trackers, Tracker, "fit(trackers=...)", "tracker",
+                             "colossal_lite.trainer.trackers.Tracker")
     if log_dir is False:
-        return list(trackers), None
+        return trackers, None
     if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
         raise TypeError(f"fit(log_dir={log_dir!r}): give a folder path, None (the checkpoint folder) or False (none)")
     folder = Path(log_dir) if log_dir is not None else next(
         (hook.checkpoint_dir for hook in hooks or () if isinstance(hook, SaveCheckpointHook) and hook.file is None),
         None)
     if folder is not None and not any(isinstance(t, MetricsFile) for t in trackers):
-        trackers = [MetricsFile()] + list(trackers)
-    return list(trackers), folder
+        trackers = [MetricsFile()] + trackers
+    return trackers, folder
 
 
 class Trainer:

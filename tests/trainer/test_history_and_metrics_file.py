@@ -8,6 +8,7 @@ import textwrap
 import pytest
 import torch
 from dist_helpers import run_torchrun
+from hook_helpers import crash_at
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -15,7 +16,7 @@ from colossal_lite.engine.engine import Engine
 from colossal_lite.nn.metric import Accuracy
 from colossal_lite.trainer import Trainer
 from colossal_lite.trainer._recorder import Recorder
-from colossal_lite.trainer.hooks import AccuracyHook, BaseHook, LossHook, LRSchedulerHook, SaveCheckpointHook
+from colossal_lite.trainer.hooks import AccuracyHook, LossHook, LRSchedulerHook, SaveCheckpointHook
 from colossal_lite.trainer.trackers import MetricsFile, TensorBoardTracker, Tracker
 from colossal_lite.utils import get_dataloader
 
@@ -82,16 +83,6 @@ def test_the_history_holds_what_a_hand_written_loop_computes(tmp_path):
     assert all(set(r) == {"step", "epoch", "name", "value", "time"} for r in lines)
 
 
-class CrashAt(BaseHook):
-    def __init__(self, step):
-        super().__init__(priority=100)
-        self.step = step
-
-    def after_train_iter(self, trainer, *args):
-        if trainer.state.stepped and trainer.state.step == self.step:
-            raise RuntimeError("simulated crash")
-
-
 def test_a_resumed_run_has_the_uninterrupted_runs_history_and_file(tmp_path, monkeypatch):
     monkeypatch.setattr(Recorder, "flush_every", 2)  # flushes inside epochs too
     _, engine, sched, loader = build()
@@ -103,7 +94,7 @@ def test_a_resumed_run_has_the_uninterrupted_runs_history_and_file(tmp_path, mon
     _, engine, sched, loader = build()
     with pytest.raises(RuntimeError, match="simulated crash"):  # after the checkpoint of step 8 and the epoch end
         Trainer(engine).fit(loader, epochs=3, test_dataloader=test, hooks=hooks_for(sched) + [  # of step 10
-            SaveCheckpointHook("4ba", tmp_path / "run"), CrashAt(11)])
+            SaveCheckpointHook("4ba", tmp_path / "run"), crash_at(11)])
     written = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert max(r["step"] for r in written) >= 10  # the crashed run wrote past its last checkpoint
 
@@ -160,7 +151,7 @@ def test_a_users_tracker_gets_every_record_the_final_checkpoint_and_the_end(tmp_
     crashed = Collect()
     _, engine, sched, loader = build()
     with pytest.raises(RuntimeError, match="simulated crash"):
-        Trainer(engine).fit(loader, epochs=2, hooks=hooks_for(sched) + [CrashAt(3)], trackers=[crashed], log_dir=False)
+        Trainer(engine).fit(loader, epochs=2, hooks=hooks_for(sched) + [crash_at(3)], trackers=[crashed], log_dir=False)
     assert crashed.status == ["FAILED"] and crashed.checkpoints == []
 
 

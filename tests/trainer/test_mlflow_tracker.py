@@ -5,13 +5,14 @@ import sys
 
 import pytest
 import torch
+from hook_helpers import crash_at
 from torch import nn
 
 import colossal_lite
 from colossal_lite.core import global_context as gpc
 from colossal_lite.engine.engine import Engine
 from colossal_lite.trainer import Trainer
-from colossal_lite.trainer.hooks import BaseHook, LossHook, LRSchedulerHook, SaveCheckpointHook
+from colossal_lite.trainer.hooks import LossHook, LRSchedulerHook, SaveCheckpointHook
 from colossal_lite.trainer.trackers import MLflowTracker
 from colossal_lite.utils import get_dataloader
 
@@ -36,21 +37,11 @@ def build():
     return Engine(model, opt, nn.CrossEntropyLoss()), sched, get_dataloader(data, shuffle=True, seed=7, batch_size=8)
 
 
-class CrashAt(BaseHook):
-    def __init__(self, step):
-        super().__init__(priority=100)
-        self.step = step
-
-    def after_train_iter(self, trainer, *args):
-        if trainer.state.stepped and trainer.state.step == self.step:
-            raise RuntimeError("simulated crash")
-
-
 def fit(uri, folder, crash=None, resume=None):
     engine, sched, loader = build()
     trainer = Trainer(engine)
     hooks = [LossHook(), LRSchedulerHook(sched, by_epoch=False), SaveCheckpointHook("4ba", folder)]
-    history = trainer.fit(loader, epochs=2, hooks=hooks + ([CrashAt(crash)] if crash else []), resume_from=resume,
+    history = trainer.fit(loader, epochs=2, hooks=hooks + ([crash_at(crash)] if crash else []), resume_from=resume,
                           trackers=[MLflowTracker(experiment="digits", tracking_uri=uri, run_name="mlp")])
     return trainer, history
 

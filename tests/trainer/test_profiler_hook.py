@@ -2,14 +2,13 @@
 cycle (a Chrome trace TensorBoard's plugin reads), short and failed runs, two gloo ranks, bad arguments."""
 import json
 import logging
-import os
 import re
-import signal
 import textwrap
 
 import pytest
 import torch
 from dist_helpers import doc_python_blocks, run_python, run_torchrun
+from hook_helpers import sigterm_at
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -166,21 +165,11 @@ def test_a_fit_that_raises_is_closed_by_close_or_the_with_block_and_the_hook_run
     assert not torch._C._autograd._profiler_enabled()
 
 
-class TermAt(BaseHook):
-    def __init__(self, step):
-        super().__init__(priority=0)
-        self.step = step
-
-    def after_train_iter(self, trainer, *args):
-        if trainer.state.stepped and trainer.state.step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def test_a_preempted_fit_writes_the_steps_it_recorded(tmp_path):
     engine, loader = build()
     hook = ProfilerHook(wait=1, warmup=1, active=3, dir=tmp_path / "p")
     with pytest.raises(SystemExit) as stopped:
-        Trainer(engine).fit(loader, epochs=2, hooks=[hook, TermAt(4), SaveCheckpointHook(100, tmp_path / "ck")])
+        Trainer(engine).fit(loader, epochs=2, hooks=[hook, sigterm_at(4), SaveCheckpointHook(100, tmp_path / "ck")])
     assert stopped.value.code == 75
     assert [p.name for p in hook.trace_files] == ["rank0.steps3-4.pt.trace.json"]
     assert step_marks(hook.trace_files[0])[:2] == [3, 4]
