@@ -56,7 +56,7 @@ class StepSeries:
             if len(self._held) >= self.fold_every:
                 self.fold()
         else:
-            self.points.append((step, to_number(value)))
+            self.points.append((step, value if type(value) is float else to_number(value)))
         return len(self.points) >= self.capacity
 
     def fold(self) -> None:
