@@ -88,6 +88,17 @@ def test_linear_warmup_keeps_its_line_past_the_run_then_stays_at_zero():
     assert seen == [pytest.approx(w, rel=1e-12, abs=0) for w in want]
 
 
+class EpochLR(hooks.BaseHook):
+    """Appends the optimizer's LR to ``seen`` at each epoch's end, after LRSchedulerHook has stepped."""
+
+    def __init__(self, optimizer, seen):
+        super().__init__(priority=1000)
+        self.optimizer, self.seen = optimizer, seen
+
+    def after_train_epoch(self, trainer):
+        self.seen.append(self.optimizer.param_groups[0]["lr"])
+
+
 def test_two_epoch_trainer_run_with_a_longer_warmup_like_the_vit_example():
     """The ViT example: LinearWarmupLR(total_steps=NUM_EPOCHS, warmup_steps=WARMUP_EPOCHS) stepped by epoch."""
     num_epochs, warmup_epochs = 2, 5
@@ -100,17 +111,9 @@ def test_two_epoch_trainer_run_with_a_longer_warmup_like_the_vit_example():
     engine, loader, _, scheduler = colossal_lite.initialize(model, optimizer, nn.CrossEntropyLoss(), data,
                                                             lr_scheduler=scheduler, verbose=False)
     seen = []
-
-    class Probe(hooks.BaseHook):
-        def __init__(self):
-            super().__init__(priority=1000)  # after LRSchedulerHook
-
-        def after_train_epoch(self, trainer):
-            seen.append(optimizer.param_groups[0]["lr"])
-
     trainer = Trainer(engine)
     trainer.fit(loader, epochs=num_epochs, display_progress=False,
-                hooks=[hooks.LRSchedulerHook(scheduler, by_epoch=True), Probe()])
+                hooks=[hooks.LRSchedulerHook(scheduler, by_epoch=True), EpochLR(optimizer, seen)])
     # after epoch e the scheduler has stepped e + 1 times: the warm-up line at t = e + 1
     assert seen == pytest.approx([legacy_linear_warmup(e + 1, 0.1, warmup_epochs) for e in range(num_epochs)],
                                  rel=1e-12)
@@ -129,15 +132,8 @@ def _vit_like_run_on_a_rank(rank, world_size, port, results):
         engine, loader, _, scheduler = colossal_lite.initialize(model, optimizer, nn.CrossEntropyLoss(), data,
                                                                 lr_scheduler=scheduler, verbose=False)
         seen = []
-
-        class Probe(hooks.BaseHook):
-            def __init__(self):
-                super().__init__(priority=1000)
-
-            def after_train_epoch(self, trainer):
-                seen.append(optimizer.param_groups[0]["lr"])
-
-        Trainer(engine).fit(loader, epochs=2, hooks=[hooks.LRSchedulerHook(scheduler, by_epoch=True), Probe()])
+        Trainer(engine).fit(loader, epochs=2, hooks=[hooks.LRSchedulerHook(scheduler, by_epoch=True),
+                                                     EpochLR(optimizer, seen)])
         results.put((rank, seen))
     finally:
         colossal_lite.core.global_context.destroy()
