@@ -6,7 +6,6 @@ name that carries the rank and the steps it covers. ``docs/profiling.md`` descri
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
@@ -93,8 +92,7 @@ class ProfilerHook(BaseHook):
         self._given_logger, self._logger = logger, logger
         #: The trace files this rank wrote, over every fit of this hook.
         self.trace_files: List[Path] = []
-        self._stack: Optional[contextlib.ExitStack] = None  # the running profiler's exit
-        self._prof: Optional[profile] = None
+        self._prof: Optional[profile] = None  # the running profiler
         self._start_step = self._last_step = 0  # trainer steps when this fit began / at its last optimizer step
         self._written = 0  # traces written in this fit
         self._sort_by = "self_cpu_time_total"
@@ -135,8 +133,7 @@ class ProfilerHook(BaseHook):
         # The profiler numbers its steps from step_num on; starting it at this fit's first step makes its
         # ProfilerStep#N marks the trainer's step numbers, which a resumed fit continues.
         prof.step_num = start + 1
-        self._stack = contextlib.ExitStack()
-        self._stack.enter_context(prof)
+        prof.start()
         self._prof = prof
 
     def after_train_iter(self, trainer, *args) -> None:
@@ -156,10 +153,10 @@ class ProfilerHook(BaseHook):
     def close(self) -> None:
         """Stop the profiler if it is running; an active cycle it was recording is written as far as it got.
         ``fit`` calls it at its end; call it yourself after a ``fit`` that raised."""
-        if self._stack is None:
+        prof, self._prof = self._prof, None
+        if prof is None:
             return
-        stack, self._stack, self._prof = self._stack, None, None
-        stack.close()
+        prof.stop()
         if not self._written:
             first = self._start_step + self.skip_first + self.wait + self.warmup + 1
             self._say(f"ProfilerHook: no trace written: this fit ran {self._last_step - self._start_step} optimizer "
