@@ -17,9 +17,11 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from ..utils.metrics_file import CSV_COLUMNS
+
 __all__ = ["History", "is_step_name"]
 
-FIELDS = ("step", "epoch", "name", "value", "time")
+FIELDS = CSV_COLUMNS  # a record's keys are the metrics file's columns
 
 
 def is_step_name(name: str) -> bool:

@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from ...checkpoint.io import atomic_write_text
+from ...utils.metrics_file import METRICS_FILE_NAMES
 from ..history import FIELDS
 from ._base import RunInfo, Tracker, require_dir
 
 __all__ = ["MetricsFile", "JSONL_NAME", "CSV_NAME"]
 
-JSONL_NAME = "metrics.jsonl"
-CSV_NAME = "metrics.csv"
+JSONL_NAME, CSV_NAME = METRICS_FILE_NAMES  # the names the reader (and so `colossal-lite plot`) looks for
 
 
 def _jsonl(records: List[Dict[str, Any]]) -> str:
