@@ -44,24 +44,19 @@ def _info() -> int:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             lines.append(f"  cuda:{i}: {p.name}, {p.total_memory / 2**30:.1f} GiB")
-    try:
-        import tensorboard  # noqa: F401
-        tb = "installed"
-    except ImportError:
-        tb = "not installed (pip install 'colossal_lite[tensorboard]')"
-    lines.append(f"tensorboard extra: {tb}")
-    lines.append(f"plot extra: {_plot_extra()}")
+    for extra, module in (("tensorboard", "tensorboard"), ("mlflow", "mlflow"), ("plot", "matplotlib")):
+        lines.append(f"{extra} extra: {_extra(extra, module)}")
     print("\n".join(lines))
     return 0
 
 
-def _plot_extra() -> str:
-    """Whether matplotlib can be found, without the slow import of it that `info` does not need."""
+def _extra(extra: str, module: str) -> str:
+    """Whether an extra's package can be found, without the slow import of it that `info` does not need."""
     try:
-        found = importlib.util.find_spec("matplotlib") is not None
+        found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         found = False
-    return "installed" if found else "not installed (pip install 'colossal_lite[plot]')"
+    return "installed" if found else f"not installed (pip install 'colossal_lite[{extra}]')"
 
 
 def _check(path: str, world_size: int = 1, overrides: Optional[List[str]] = None) -> int:
