@@ -17,6 +17,7 @@ from ._series import StepSeries, drain_series
 from .history import History
 from .hooks._base_hook import BaseHook
 from .hooks._metric_hook import LearningRateMetric
+from .hooks._utils import keyed_by_class
 from .progress import to_number
 from .trackers import RunInfo, Tracker
 
@@ -43,17 +44,6 @@ def _number(value: Any) -> Optional[float]:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
-
-
-def tracker_keys(trackers: Sequence[Tracker]) -> List[Tuple[str, Tracker]]:
-    """``(key, tracker)``: the key names a tracker's state in a checkpoint (``'MLflowTracker.0'``)."""
-    seen: Dict[str, int] = {}
-    keyed = []
-    for tracker in trackers:
-        name = type(tracker).__name__
-        keyed.append((f"{name}.{seen.get(name, 0)}", tracker))
-        seen[name] = seen.get(name, 0) + 1
-    return keyed
 
 
 class Recorder(BaseHook):
@@ -190,9 +180,9 @@ class Recorder(BaseHook):
 
     # -- checkpoint -------------------------------------------------------------------------------
     def tracker_states(self) -> Dict[str, Dict[str, Any]]:
-        return {key: state for key, tracker in tracker_keys(self.trackers) if (state := tracker.state_dict())}
+        return {key: state for key, tracker in keyed_by_class(self.trackers) if (state := tracker.state_dict())}
 
     def load_tracker_states(self, states: Dict[str, Dict[str, Any]]) -> None:
-        for key, tracker in tracker_keys(self.trackers):
+        for key, tracker in keyed_by_class(self.trackers):
             if key in states:
                 tracker.load_state_dict(states[key])

@@ -30,7 +30,7 @@ from .events import Event
 from .history import History
 from .hooks._base_hook import BaseHook
 from .hooks._checkpoint_hook import SaveCheckpointHook
-from .hooks._utils import resolve_metric
+from .hooks._utils import keyed_by_class, resolve_metric
 from .progress import NO_PROGRESS, make_progress
 from .state import State
 from .time import Interval, Time, TimeUnit
@@ -745,13 +745,7 @@ class Trainer:
     def keyed_hooks(self) -> List[Tuple[str, BaseHook]]:
         """``(key, hook)`` for each attached hook; the key names its state in a checkpoint: class name and its
         order among the hooks of that class (``'EarlyStoppingHook.0'``)."""
-        seen: Dict[str, int] = {}
-        keyed = []
-        for hook in self.hooks:
-            name = type(hook).__name__
-            keyed.append((f"{name}.{seen.get(name, 0)}", hook))
-            seen[name] = seen.get(name, 0) + 1
-        return keyed
+        return keyed_by_class(self.hooks)
 
     def hook_key(self, hook: BaseHook) -> str:
         """The key of an attached ``hook`` (see ``keyed_hooks``)."""

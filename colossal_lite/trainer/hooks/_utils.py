@@ -4,7 +4,7 @@ Rank tests and collectives live in ``colossal_lite.core.dist``."""
 from __future__ import annotations
 
 import difflib
-from typing import Tuple, Union
+from typing import Any, Dict, Iterable, List, Tuple, Union
 
 import torch
 
@@ -76,3 +76,15 @@ def _nearest(name: str, names) -> str:
     near = [by_case[name.lower()]] if name.lower() in by_case else \
         difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.5)
     return f" (did you mean {near[0]!r}? names are case-sensitive)" if near else ""
+
+
+def keyed_by_class(items: Iterable[Any]) -> List[Tuple[str, Any]]:
+    """``(key, item)`` for each item: its class name and its order among the items of that class
+    (``'EarlyStoppingHook.0'``, ``'MLflowTracker.1'``); the key names the item's state in a checkpoint."""
+    seen: Dict[str, int] = {}
+    keyed = []
+    for item in items:
+        name = type(item).__name__
+        keyed.append((f"{name}.{seen.get(name, 0)}", item))
+        seen[name] = seen.get(name, 0) + 1
+    return keyed
