@@ -64,7 +64,7 @@ def all_gather_rows(tensor: torch.Tensor) -> List[torch.Tensor]:
     rows = torch.tensor([tensor.shape[0]], device=tensor.device)
     counts = [torch.zeros_like(rows) for _ in range(world_size())]
     dist.all_gather(counts, rows)
-    counts = [int(c.item()) for c in counts]
+    counts = torch.cat(counts).tolist()  # (one read of every rank's count)
     longest = max(counts)
     padded = tensor.contiguous()
     if tensor.shape[0] < longest:
