@@ -20,7 +20,7 @@ from .accumulation import AccumulationWindow, MicroBatch
 from .loss_guard import build_loss_guard
 from .reduction import build_reduction
 from .schedule import NonPipelineSchedule
-from .strategy import DDPStrategy, SingleProcess
+from .strategy import DDPStrategy, HandlerStrategy, SingleProcess
 
 
 class _Criterion:
@@ -47,17 +47,47 @@ class _Criterion:
         return f"EngineCriterion({self._engine._criterion!r})"
 
 
+def _strategy_with_handlers(strategy, gradient_handlers):
+    """The data-parallel part: ``strategy``, or the legacy ``gradient_handlers`` run in its place."""
+    if gradient_handlers is not None and not isinstance(gradient_handlers, (list, tuple)):
+        raise TypeError(f"Engine(gradient_handlers=...) must be a list of gradient handlers, got "
+                        f"{type(gradient_handlers).__name__}")
+    if not gradient_handlers:  # None or [] (legacy passed [] for none): nothing replaces the strategy
+        return strategy or SingleProcess()
+    for i, handler in enumerate(gradient_handlers):
+        if not callable(getattr(handler, "handle_gradient", None)):
+            raise TypeError(f"Engine(gradient_handlers=[...]): item {i} is a {type(handler).__name__}, which has no "
+                            f"handle_gradient(); give handler objects, e.g. "
+                            f"DataParallelGradientHandler(model, optimizer)")
+    if strategy is not None and type(strategy) is not SingleProcess:
+        raise ValueError(f"Engine got both gradient_handlers and strategy={type(strategy).__name__}: the handlers "
+                         f"are the gradient sync; give one of the two")
+    return HandlerStrategy(handlers=gradient_handlers)
+
+
 class Engine:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, criterion=None, precision=None,
-                 strategy=None, window: Optional[AccumulationWindow] = None, clip_grad_norm: float = 0.0,
-                 schedule: Optional[NonPipelineSchedule] = None, device: Optional[torch.device] = None,
-                 gradient_handlers=None, verbose: bool = True, grad_reduction: str = "mean", compiled: bool = False,
-                 nonfinite_loss: str = "raise"):
+    """The legacy ``Engine(model, optimizer, criterion, gradient_handlers, clip_grad_norm, ophook_list, verbose,
+    schedule)``, in that order, so a legacy script that builds one by hand runs unchanged; ``initialize`` builds
+    it with the parts the config chose (the keyword-only arguments).
+
+    ``gradient_handlers``: handler objects (``BaseGradientHandler``, built with this model and optimizer) whose
+    ``handle_gradient()`` runs once per optimizer update on every rank, before clipping; they replace the
+    ``strategy``. ``ophook_list``: Gemini op-hooks are not supported; None or an empty list.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, criterion=None, gradient_handlers=None,
+                 clip_grad_norm: float = 0.0, ophook_list=None, verbose: bool = True,
+                 schedule: Optional[NonPipelineSchedule] = None, *, precision=None, strategy=None,
+                 window: Optional[AccumulationWindow] = None, device: Optional[torch.device] = None,
+                 grad_reduction: str = "mean", compiled: bool = False, nonfinite_loss: str = "raise"):
+        if ophook_list:
+            raise ValueError("Engine(ophook_list=...): op-hooks (Gemini) are not supported by colossal_lite; "
+                             "remove the argument (a torch module hook or a Trainer hook can do what yours did)")
         self._model = model
         self._optimizer = optimizer
         self._criterion = criterion
         self.precision = precision or FP32Precision()
-        self.strategy = strategy or SingleProcess()
+        self.strategy = _strategy_with_handlers(strategy, gradient_handlers)
         self.window = window or AccumulationWindow(1)
         self.reduction = build_reduction(grad_reduction)
         self.clip_grad_norm = float(clip_grad_norm or 0.0)

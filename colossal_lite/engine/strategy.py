@@ -150,17 +150,21 @@ class AllReduceStrategy(SingleProcess):
 
 
 class HandlerStrategy(SingleProcess):
-    """The config's ``gradient_handler`` entries, built from the ``GRADIENT_HANDLER`` registry with the model and
-    optimizer as ``setup`` receives them; ``reduce_gradients`` calls each one's ``handle_gradient()`` in order,
-    once per optimizer update on every rank, before clipping. No DDP: the handlers are the gradient sync."""
+    """Gradient handlers as the data-parallel part: the config's ``gradient_handler`` entries (``configs``), built
+    from the ``GRADIENT_HANDLER`` registry with the model and optimizer as ``setup`` receives them, or handler
+    objects built by the user (``handlers``, the legacy ``Engine(gradient_handlers=[...])``). ``reduce_gradients``
+    calls each one's ``handle_gradient()`` in order, once per optimizer update on every rank, before clipping.
+    No DDP: the handlers are the gradient sync."""
 
-    def __init__(self, configs: Sequence[dict]):
+    def __init__(self, configs: Sequence[dict] = (), handlers: Sequence = ()):
         self.configs = [dict(c) for c in configs]
-        self.handlers: list = []
-        self.name = "gradient handlers (" + ", ".join(str(c["type"]) for c in self.configs) + ")"
+        self.handlers: list = list(handlers)
+        names = [str(c["type"]) for c in self.configs] + [type(h).__name__ for h in self.handlers]
+        self.name = "gradient handlers (" + ", ".join(names) + ")"
 
     def setup(self, model, optimizer):
-        self.handlers = [GRADIENT_HANDLER.build(c, model=model, optimizer=optimizer) for c in self.configs]
+        if self.configs:
+            self.handlers = [GRADIENT_HANDLER.build(c, model=model, optimizer=optimizer) for c in self.configs]
         return model, optimizer
 
     def reduce_gradients(self, model):
