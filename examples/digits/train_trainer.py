@@ -3,9 +3,12 @@
 One process:   python examples/digits/train_trainer.py
 Two processes: python -m torch.distributed.run --nproc_per_node 2 examples/digits/train_trainer.py
 Smoke test:    python examples/digits/train_trainer.py --test-mode   (one step, one eval batch, a verdict)
+Keep the curves: python examples/digits/train_trainer.py --log-dir runs/digits
+                 colossal-lite plot runs/digits -o curves.png
 
 The hooks log the loss, learning rate and throughput per epoch, the test loss and accuracy
-after each evaluation, and memory use; rank 0 prints ``final test accuracy: 0.xxxx``.
+after each evaluation, and memory use; rank 0 prints ``final test accuracy: 0.xxxx``, read from the
+history ``fit`` returns. With ``--log-dir`` every recorded value also goes to ``metrics.jsonl`` there.
 """
 from __future__ import annotations
 
@@ -44,6 +47,8 @@ def parse_args():
     parser.add_argument("--require-accuracy", type=float, default=None, metavar="FRACTION",
                         help="exit with status 1 if the final test accuracy is below this, e.g. 0.95")
     parser.add_argument("--test-mode", action="store_true", help="run one step and one eval batch, print a verdict")
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="write the run's metrics to DIR/metrics.jsonl (draw them with colossal-lite plot DIR)")
     return parser.parse_args()
 
 
@@ -84,17 +89,20 @@ def main() -> int:
         ThroughputHook(ignored_steps=2),
     ]
     result = trainer.fit(train_dataloader=train_loader, epochs=cfg.NUM_EPOCHS, test_dataloader=test_loader,
-                         test_interval=5, hooks=hooks, display_progress=True, test_mode=args.test_mode)
+                         test_interval=5, hooks=hooks, display_progress=True, test_mode=args.test_mode,
+                         log_dir=args.log_dir)
     if args.test_mode:
         gpc.destroy()
         return 0 if result.ok else 1
 
-    # the last evaluation's accuracy, all ranks together (already reduced by the log hook: read from its cache)
-    accuracy = trainer.states["metrics"]["test"]["Accuracy"].get_accumulated_value()
+    accuracy = result.last("test/Accuracy")  # the last evaluation's, over all ranks (the same on every rank)
     if rank == 0:
         print(f"trained {trainer.cur_step} steps on {world_size} process(es) in {time.perf_counter() - start:.1f} s",
               flush=True)
         print(f"final test accuracy: {accuracy:.4f}", flush=True)
+        if args.log_dir is not None:
+            print(f"metrics written to {Path(args.log_dir) / 'metrics.jsonl'} "
+                  f"(draw them: colossal-lite plot {args.log_dir} -o curves.png)", flush=True)
     gpc.destroy()
     if args.require_accuracy is not None and accuracy < args.require_accuracy:
         if rank == 0:
