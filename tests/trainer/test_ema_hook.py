@@ -1,10 +1,12 @@
 """EMAHook: the average follows every applied step, evaluation runs on it, and a resumed run's average is the
 uninterrupted run's."""
 import copy
+import json
+import textwrap
 
 import pytest
 import torch
-from dist_helpers import doc_python_blocks, run_python
+from dist_helpers import doc_python_blocks, run_python, run_torchrun
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -122,3 +124,50 @@ def test_the_average_resumes_from_a_checkpoint_file(tmp_path):
     assert trainer2.cur_step == 30
     for (name, a), b in zip(ref.ema_model.state_dict().items(), resumed.ema_model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+ZERO_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from torch import nn
+    import colossal_lite
+    from colossal_lite.core import global_context as gpc
+    from colossal_lite.trainer import Trainer
+    from colossal_lite.trainer.hooks import EMAHook, LossHook
+    from colossal_lite.utils import get_dataloader
+
+    colossal_lite.launch_from_torch(config=json.loads(sys.argv[1]), seed=0, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=g), torch.randint(0, 3, (48,), generator=g))
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    engine, loader, test_loader, _ = colossal_lite.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), nn.CrossEntropyLoss(),
+        get_dataloader(data, batch_size=4, shuffle=True, seed=3), get_dataloader(data, batch_size=12), verbose=False)
+    ema = EMAHook(decay=0.8)
+    history = Trainer(engine).fit(loader, epochs=2, test_dataloader=test_loader, hooks=[LossHook(), ema])
+    average = [t.tolist() for t in ema.ema_model.module.state_dict().values() if t.is_floating_point()]
+    print(json.dumps({"rank": gpc.get_global_rank(), "average": average, "test": history["test/Loss"]}) + "\\n",
+          end="", flush=True)
+    gpc.destroy()
+""")
+
+
+def test_zero_stage_1_averages_as_ddp_and_a_sharded_model_is_refused_on_every_rank(tmp_path):
+    script = tmp_path / "ema_zero.py"
+    script.write_text(ZERO_SCRIPT)
+    runs = {}
+    for name, config in (("ddp", {}), ("zero1", {"zero": {"stage": 1}})):
+        out = run_torchrun(script, [json.dumps(config)], nproc=2, timeout=180).stdout
+        runs[name] = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert sorted(r["rank"] for r in runs[name]) == [0, 1]
+        assert runs[name][0]["average"] == runs[name][1]["average"]  # every rank keeps the same average
+    ddp, zero1 = runs["ddp"][0], runs["zero1"][0]
+    for a, b in zip(ddp["average"], zero1["average"]):
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-6)
+    assert zero1["test"] == pytest.approx(ddp["test"], rel=1e-5)  # evaluated on the average, as under DDP
+
+    refused = run_torchrun(script, [json.dumps({"zero": {"stage": 2}})], nproc=2, timeout=180, check=False)
+    assert refused.returncode != 0
+    message = "EMAHook cannot average a model sharded by FSDP2 (zero stage 2 or 3)"
+    assert refused.stderr.count(message) >= 2, refused.stderr  # each rank says it (none hangs waiting)
+    assert "Use zero=dict(stage=1)" in refused.stderr

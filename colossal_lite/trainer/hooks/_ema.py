@@ -38,6 +38,11 @@ class EMAHook(BaseHook):
 
     def after_hook_is_attached(self, trainer) -> None:
         model = trainer.engine.unwrapped_model
+        if _is_sharded(model):  # (every rank attaches its hooks, so every rank raises: none waits on another)
+            raise ValueError("EMAHook cannot average a model sharded by FSDP2 (zero stage 2 or 3): it keeps a whole "
+                             "copy of the model on every rank (torch.optim.swa_utils.AveragedModel), and a sharded "
+                             "model cannot be copied. Use zero=dict(stage=1) (optimizer state sharded, the whole "
+                             "model on each rank) with EMAHook, or leave EMAHook out")
         if self.ema_model is None or self._model is not model:  # a later fit on the same model keeps the average
             self._model = model
             self.ema_model = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
@@ -101,3 +106,12 @@ class EMAHook(BaseHook):
             self._pending = dict(state)  # applied once attached to a trainer, when the average is built
         else:
             self.ema_model.load_state_dict(state)
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) manages the model or a part of it."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())
