@@ -136,18 +136,22 @@ ZERO_SCRIPT = textwrap.dedent("""
     from colossal_lite.trainer.hooks import EMAHook, LossHook
     from colossal_lite.utils import get_dataloader
 
-    colossal_lite.launch_from_torch(config=json.loads(sys.argv[1]), seed=0, verbose=False)
+    colossal_lite.launch_from_torch(config={}, seed=0, verbose=False)
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=g), torch.randint(0, 3, (48,), generator=g))
-    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
-    engine, loader, test_loader, _ = colossal_lite.initialize(
-        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), nn.CrossEntropyLoss(),
-        get_dataloader(data, batch_size=4, shuffle=True, seed=3), get_dataloader(data, batch_size=12), verbose=False)
-    ema = EMAHook(decay=0.8)
-    history = Trainer(engine).fit(loader, epochs=2, test_dataloader=test_loader, hooks=[LossHook(), ema])
-    average = [t.tolist() for t in ema.ema_model.module.state_dict().values() if t.is_floating_point()]
-    print(json.dumps({"rank": gpc.get_global_rank(), "average": average, "test": history["test/Loss"]}) + "\\n",
-          end="", flush=True)
+    for zero in json.loads(sys.argv[1]):  # the same training under each zero setting (None: DDP)
+        gpc.config["zero"] = zero
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+        engine, loader, test_loader, _ = colossal_lite.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), nn.CrossEntropyLoss(),
+            get_dataloader(data, batch_size=4, shuffle=True, seed=3), get_dataloader(data, batch_size=12),
+            verbose=False)
+        ema = EMAHook(decay=0.8)
+        history = Trainer(engine).fit(loader, epochs=2, test_dataloader=test_loader, hooks=[LossHook(), ema])
+        average = [t.tolist() for t in ema.ema_model.module.state_dict().values() if t.is_floating_point()]
+        print(json.dumps({"rank": gpc.get_global_rank(), "zero": zero, "strategy": type(engine.strategy).__name__, "average": average,
+                          "test": history["test/Loss"]}) + "\\n", end="", flush=True)
     gpc.destroy()
 """)
 
@@ -155,18 +159,18 @@ ZERO_SCRIPT = textwrap.dedent("""
 def test_zero_stage_1_averages_as_ddp_and_a_sharded_model_is_refused_on_every_rank(tmp_path):
     script = tmp_path / "ema_zero.py"
     script.write_text(ZERO_SCRIPT)
-    runs = {}
-    for name, config in (("ddp", {}), ("zero1", {"zero": {"stage": 1}})):
-        out = run_torchrun(script, [json.dumps(config)], nproc=2, timeout=180).stdout
-        runs[name] = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        assert sorted(r["rank"] for r in runs[name]) == [0, 1]
-        assert runs[name][0]["average"] == runs[name][1]["average"]  # every rank keeps the same average
-    ddp, zero1 = runs["ddp"][0], runs["zero1"][0]
-    for a, b in zip(ddp["average"], zero1["average"]):
+    out = run_torchrun(script, [json.dumps([None, {"stage": 1}])], nproc=2, timeout=180).stdout
+    runs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    ddp = [r for r in runs if r["zero"] is None]
+    zero1 = [r for r in runs if r["zero"] is not None]
+    assert sorted(r["rank"] for r in ddp) == sorted(r["rank"] for r in zero1) == [0, 1]
+    assert {r["strategy"] for r in ddp} == {"DDPStrategy"} and {r["strategy"] for r in zero1} == {"ZeroStage1Strategy"}
+    assert ddp[0]["average"] == ddp[1]["average"] and zero1[0]["average"] == zero1[1]["average"]  # ranks agree
+    for a, b in zip(ddp[0]["average"], zero1[0]["average"]):
         torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-6)
-    assert zero1["test"] == pytest.approx(ddp["test"], rel=1e-5)  # evaluated on the average, as under DDP
+    assert zero1[0]["test"] == pytest.approx(ddp[0]["test"], rel=1e-5)  # evaluated on the average, as under DDP
 
-    refused = run_torchrun(script, [json.dumps({"zero": {"stage": 2}})], nproc=2, timeout=180, check=False)
+    refused = run_torchrun(script, [json.dumps([{"stage": 2}])], nproc=2, timeout=180, check=False)
     assert refused.returncode != 0
     message = "EMAHook cannot average a model sharded by FSDP2 (zero stage 2 or 3)"
     assert refused.stderr.count(message) >= 2, refused.stderr  # each rank says it (none hangs waiting)
