@@ -59,7 +59,7 @@ def _strategy_with_handlers(strategy, gradient_handlers):
             raise TypeError(f"Engine(gradient_handlers=[...]): item {i} is a {type(handler).__name__}, which has no "
                             f"handle_gradient(); give handler objects, e.g. "
                             f"DataParallelGradientHandler(model, optimizer)")
-    if strategy is not None and type(strategy) is not SingleProcess:
+    if strategy is not None:
         raise ValueError(f"Engine got both gradient_handlers and strategy={type(strategy).__name__}: the handlers "
                          f"are the gradient sync; give one of the two")
     return HandlerStrategy(handlers=gradient_handlers)

@@ -4,6 +4,7 @@ update before clipping, so on two ranks they give the parameters of hand-written
 import pytest
 import torch
 import torch.distributed as dist
+from engine_helpers import make_batches, make_model
 from torch import nn
 
 import colossal_lite
@@ -26,13 +27,11 @@ class CountingHandler(BaseGradientHandler):
 
 
 def _batches(rank, n):
-    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-    return [(torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(n)]
+    return make_batches(n, dout=3, seed=100 + rank)  # each rank its own data
 
 
 def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    return make_model(dh=8, dout=3)
 
 
 def _run_two_ranks(rank, world_size, port):

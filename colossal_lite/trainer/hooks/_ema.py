@@ -38,7 +38,7 @@ class EMAHook(BaseHook):
 
     def after_hook_is_attached(self, trainer) -> None:
         model = trainer.engine.unwrapped_model
-        if _is_sharded(model):  # (every rank attaches its hooks, so every rank raises: none waits on another)
+        if trainer.engine.shards_state:  # (every rank attaches its hooks, so every rank raises: none waits on another)
             raise ValueError("EMAHook cannot average a model sharded by FSDP2 (zero stage 2 or 3): it keeps a whole "
                              "copy of the model on every rank (torch.optim.swa_utils.AveragedModel), and a sharded "
                              "model cannot be copied. Use zero=dict(stage=1) (optimizer state sharded, the whole "
@@ -107,11 +107,3 @@ class EMAHook(BaseHook):
         else:
             self.ema_model.load_state_dict(state)
 
-
-def _is_sharded(model: torch.nn.Module) -> bool:
-    """Whether FSDP2 (``fully_shard``) manages the model or a part of it."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(module, FSDPModule) for module in model.modules())
