@@ -67,7 +67,7 @@ class AMPOptimizer(torch.optim.Optimizer):
 
     def _clip_now(self, max_norm: float) -> torch.Tensor:
         self.precision.unscale_(self.optim)
-        return torch.nn.utils.clip_grad_norm_(self.precision.master_params(self.optim), max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.precision.master_params(self._model, self.optim), max_norm)
 
     def step(self, *args, **kwargs):
         """Unscale, skip the update on an fp16 overflow (and back the loss scale off), else step."""

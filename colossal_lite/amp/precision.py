@@ -37,6 +37,18 @@ def _optimizer_params(optimizer) -> List[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def in_model_order(model: nn.Module, params: List[torch.Tensor], key=None) -> List[torch.Tensor]:
+    """``params`` sorted as ``model.parameters()`` yields them (those not in the model last, in their order).
+
+    A global norm is a sum over the parameters, and a float sum depends on its order: clipping in the model's
+    order gives the clip factor of ``clip_grad_norm_(model.parameters())`` to the last bit, whatever the
+    optimizer's param groups (decay / no-decay groups list the parameters in another order).
+    """
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    key = key or (lambda p: p)
+    return sorted(params, key=lambda p: index.get(id(key(p)), len(index)))
+
+
 class FP32Precision:
     """Plain fp32: no autocast, no scaling."""
 
@@ -68,9 +80,9 @@ class FP32Precision:
     def zero_grad(self, model: nn.Module, optimizer, set_to_none: bool = True):
         optimizer.zero_grad(set_to_none=set_to_none)
 
-    def master_params(self, optimizer) -> List[torch.Tensor]:
-        """The tensors whose gradients the optimizer applies (what clipping must see)."""
-        return _optimizer_params(optimizer)
+    def master_params(self, model: nn.Module, optimizer) -> List[torch.Tensor]:
+        """The tensors whose gradients the optimizer applies (what clipping must see), in the model's order."""
+        return in_model_order(model, _optimizer_params(optimizer))
 
     @property
     def loss_scale(self) -> Optional[float]:
@@ -305,6 +317,11 @@ class NaiveAMPPrecision(FP32Precision):
     def zero_grad(self, model, optimizer, set_to_none=True):
         optimizer.zero_grad(set_to_none=set_to_none)
         model.zero_grad(set_to_none=set_to_none)
+
+    def master_params(self, model, optimizer):
+        """The fp32 masters, ordered as their fp16 parameters are in the model."""
+        model_param = {id(master): p for p, master in self._pairs}
+        return in_model_order(model, _optimizer_params(optimizer), key=lambda m: model_param.get(id(m), m))
 
     @property
     def loss_scale(self):

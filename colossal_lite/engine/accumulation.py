@@ -3,15 +3,17 @@
 A window is ``size`` micro-batches whose gradients add up before one optimizer step. Windows start at
 the start of each epoch; the last window of an epoch may be shorter (r < size micro-batches) and is
 still exact: its losses are divided by r. The loop that iterates the data knows where the epoch ends,
-so it works out each micro-batch's place (``MicroBatch``) and hands it to ``Engine.backward``:
+so it works out each micro-batch's place (``MicroBatch``) and announces it before the batch runs
+(``expect``); the engine reads it at the micro-batch's first forward, where data parallelism decides
+whether the coming backward synchronises gradients:
 
 - a loader with ``len``: arithmetic on the index and the length (``AccumulationWindow.plan``);
 - a loader without one: a one-batch look-ahead tells which batch is the epoch's last; a window it cuts
   short had its first losses divided by ``size``, so its gradients are rescaled by size / r at the step;
-- a user's own loop over a loader ``initialize`` did not wrap: the engine counts micro-steps, every
-  window has ``size`` micro-batches.
+- a user's own loop over a loader ``initialize`` did not wrap: the engine counts ``engine.step()`` calls
+  (legacy Colossal-AI's rule), every window has ``size`` micro-batches.
 
-The only state is ``micro_step``, the backward passes done in the open window; it goes into checkpoints.
+The only state is ``micro_step``, the micro-batches begun in the open window; it goes into checkpoints.
 """
 from __future__ import annotations
 
@@ -32,15 +34,23 @@ class MicroBatch(NamedTuple):
 
 
 class AccumulationWindow:
-    """Windows of ``size`` micro-batches (size 1 = no accumulation) and the open window's progress."""
+    """Windows of ``size`` micro-batches (size 1 = no accumulation) and the open window's progress.
+
+    A micro-batch is everything between two batches of the plan (the loader ``initialize`` returned, or the
+    Trainer, announces each batch with ``expect``), or with no plan between two ``engine.step()`` calls, as legacy
+    Colossal-AI counted: any number of forward and backward calls add their gradients into it (a GAN's
+    discriminator update runs two). Its place is known at its first forward, so the strategy can decide there
+    whether the coming backward synchronises gradients.
+    """
 
     def __init__(self, size: int = 1):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"gradient_accumulation must be a positive int, got {size!r}")
         self.size = size
-        self.micro_step = 0  # backward passes done in the open window
-        self.closing: Optional[MicroBatch] = None  # the micro-batch that closed the window, until the step
-        self._next: Optional[MicroBatch] = None  # the next micro-batch's place, as the iterating loader found it
+        self.micro_step = 0  # micro-batches begun in the open window
+        self.current: Optional[MicroBatch] = None  # the micro-batch in progress, from its first forward or backward
+        self.backward_done = False  # a backward ran in the current micro-batch
+        self._next: Optional[MicroBatch] = None  # the next micro-batch's place, as the iterating loop announced it
 
     # -- where a micro-batch stands --------------------------------------------------------------
     def plan(self, index: int, length: int) -> MicroBatch:
@@ -65,18 +75,32 @@ class AccumulationWindow:
         return MicroBatch(self.size, self.micro_step == 0, self.micro_step + 1 == self.size)
 
     def expect(self, where: MicroBatch) -> None:
-        """The loader about to hand out a batch says where it stands (``AccumulationDataLoader``)."""
+        """The loop about to run a new batch says where it stands (``AccumulationDataLoader``, the Trainer)."""
         self._next = where
 
     # -- the open window -------------------------------------------------------------------------
-    def begin(self, where: Optional[MicroBatch] = None) -> MicroBatch:
-        """A backward pass starts: its place (given, announced by the loader, or counted) is recorded."""
+    def enter(self, where: Optional[MicroBatch] = None) -> MicroBatch:
+        """A forward or backward runs: the place of the micro-batch it belongs to. A new micro-batch begins when
+        ``where`` is given or was announced, or, with no plan, after ``end_micro_batch``; otherwise the call
+        belongs to the micro-batch in progress."""
         if where is None:
-            where = self._next if self._next is not None else self.counted()
+            where = self._next
+            if where is None:
+                if self.current is not None:
+                    return self.current
+                where = self.counted()
+        elif where is self.current:
+            return where
         self._next = None
         self.micro_step = 1 if where.first else self.micro_step + 1
-        self.closing = where if where.last else None
+        self.current = where
+        self.backward_done = False
         return where
+
+    def end_micro_batch(self) -> None:
+        """``engine.step()`` inside a window: the next forward or backward begins the next micro-batch."""
+        self.current = None
+        self.backward_done = False
 
     def continue_at(self, index: int) -> None:
         """The epoch's next micro-batch is ``index``: a window left open by a loop that stopped elsewhere is
@@ -86,13 +110,24 @@ class AccumulationWindow:
 
     @property
     def at_start(self) -> bool:
-        """No micro-batch of the open window went backward yet."""
+        """No micro-batch of the open window has begun."""
         return self.micro_step == 0
 
     @property
     def opens_next(self) -> bool:
-        """The next micro-batch opens a window, so ``zero_grad`` clears gradients: as the loader said, or counted."""
-        return self._next.first if self._next is not None else self.micro_step == 0
+        """``zero_grad`` now clears gradients: the micro-batch about to run (as announced) or running (with no
+        backward yet) opens a window."""
+        if self._next is not None:
+            return self._next.first
+        if self.current is not None:
+            return self.current.first and not self.backward_done
+        return self.micro_step == 0
+
+    @property
+    def closing(self) -> Optional[MicroBatch]:
+        """The micro-batch that completes the window (its last, after a backward), until the step; else None."""
+        current = self.current
+        return current if current is not None and current.last and self.backward_done else None
 
     @property
     def complete(self) -> bool:
@@ -101,14 +136,16 @@ class AccumulationWindow:
 
     def close(self) -> None:
         self.micro_step = 0
-        self.closing = None
+        self.current = None
+        self.backward_done = False
 
     def state_dict(self):
         return {"size": self.size, "micro_step": self.micro_step}
 
     def load_state_dict(self, state):
         self.micro_step = int(state["micro_step"])
-        self.closing = None
+        self.current = None
+        self.backward_done = False
 
 
 class AccumulationDataLoader:

@@ -22,7 +22,7 @@ class AutoMicroBatcher:
 
     def run(self, engine, data, label, where=None):
         """Forward and backward of one batch, split as often as needed; returns (output, loss)."""
-        engine.window.begin(where)
+        engine.enter_micro_batch(where)
         n = batch_len(data)
         while True:
             parts = min(self.parts, n)
@@ -36,6 +36,7 @@ class AutoMicroBatcher:
             if all_agree(ok, engine.device):
                 break
             self._retry_in_more_parts(engine, parts, n)
+        engine.window.backward_done = True
         if world_size() > 1:
             self._reducer.reduce_gradients(engine.model)
         output = torch.cat(outputs) if outputs and all(isinstance(o, torch.Tensor) for o in outputs) else outputs
@@ -47,7 +48,7 @@ class AutoMicroBatcher:
         outputs, total = [], None
         for d, lab in zip(split_samples(data, parts, n), split_samples(label, parts, n)):
             with engine.strategy.no_sync(engine.model):
-                out = call_with(engine, d)
+                out = call_with(engine.run_model, d)  # the pieces are one micro-batch, entered above
                 loss = call_criterion(engine.criterion, out, lab)
                 engine.loss_guard.watch(loss)
                 weight = batch_len(d) / n

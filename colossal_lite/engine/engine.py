@@ -103,7 +103,7 @@ class Engine:
         self.nonfinite_loss = nonfinite_loss
         self.loss_guard = build_loss_guard(nonfinite_loss, self.precision)
         self._warned_idle_step = False  # step() with no backward since the last update: said once
-        self._params = self.precision.master_params(optimizer)
+        self._params = self.precision.master_params(model, optimizer)
         optimizer.register_step_post_hook(self._count_update)
 
     def _count_update(self, optimizer, args, kwargs):
@@ -142,6 +142,15 @@ class Engine:
 
     # -- the micro-step ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        """The model's forward under the precision's autocast. A forward that records a graph belongs to a
+        micro-batch: data parallelism decides here whether its backward synchronises gradients (only the
+        window's last micro-batch does)."""
+        if torch.is_grad_enabled():
+            self.enter_micro_batch()
+        return self.run_model(*args, **kwargs)
+
+    def run_model(self, *args, **kwargs):
+        """The model's forward under autocast, outside the accumulation plan (no gradient-sync decision)."""
         if self._compile_pending:
             return self._first_compiled_call(*args, **kwargs)
         with self.precision.autocast():
@@ -157,6 +166,16 @@ class Engine:
                                ranks=[0])
         return out
 
+    def enter_micro_batch(self, where: Optional[MicroBatch] = None) -> MicroBatch:
+        """A forward or backward runs: its micro-batch's place; a window's first micro-batch opens the window."""
+        before = self.window.current
+        where = self.window.enter(where)
+        if where is not before and where.first:  # a window left open by a loop that broke off leaves nothing behind
+            self.reduction.reset()
+            self.loss_guard.open_window()
+        self.strategy.set_gradient_sync(self._model, where.last)
+        return where
+
     def zero_grad(self, set_to_none: bool = True):
         """Clear gradients before a window's first micro-batch only."""
         if self.window.opens_next:
@@ -168,39 +187,40 @@ class Engine:
 
     def backward(self, loss: torch.Tensor, num_tokens=None, where: Optional[MicroBatch] = None):
         """Backward of the micro-batch's share of the window's loss; gradients are synced across ranks only
-        on the window's last micro-batch.
+        on the window's last micro-batch. Several backward calls in one micro-batch add up.
 
         ``where``: the micro-batch's place in its window (None: as the loader ``initialize`` returned said, or
         counted). ``num_tokens``: its real-token count with ``grad_reduction='per-token-mean'`` (None: the
         count the criterion reported).
         """
-        where = self.window.begin(where)
-        if where.first:  # a window left open by a loop that broke off leaves nothing behind
-            self.reduction.reset()
-            self.loss_guard.open_window()
+        where = self.enter_micro_batch(where)
         self.loss_guard.watch(loss)
-        weight = self.reduction.loss_weight(loss, where, num_tokens)
-        if where.last:
-            self.precision.backward(loss, weight)
-        else:  # inside a window gradients only add up locally; the window's last backward syncs them
-            with self.strategy.no_sync(self._model):
-                self.precision.backward(loss, weight)
+        self.precision.backward(loss, self.reduction.loss_weight(loss, where, num_tokens))
+        self._backward_done(where)
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor, where: Optional[MicroBatch] = None):
-        where = self.window.begin(where)
-        grad = grad / where.divisor if where.divisor != 1 else grad
-        if where.last:
-            self.precision.backward_by_grad(tensor, grad)
-        else:
-            with self.strategy.no_sync(self._model):
-                self.precision.backward_by_grad(tensor, grad)
+        where = self.enter_micro_batch(where)
+        self.precision.backward_by_grad(tensor, grad / where.divisor if where.divisor != 1 else grad)
+        self._backward_done(where)
+
+    def _backward_done(self, where: MicroBatch) -> None:
+        self.window.backward_done = True
+        if not where.last:
+            # Sync back on, so that a forward which bypasses the engine (``engine.model(x)``) syncs: an extra
+            # all-reduce is never wrong, a skipped one would be.
+            self.strategy.set_gradient_sync(self._model, True)
 
     # -- the update: ``step`` = prepare_update, clip_gradients, apply_update -----------------------
     def step(self) -> bool:
-        """Update the parameters at the end of a window; True if they were updated."""
-        if not self.window.complete:
-            if self.window.at_start and not self._warned_idle_step:
-                self._warn_idle_step()
+        """End the micro-batch; at the end of a window, update the parameters. True if they were updated."""
+        window = self.window
+        if not window.complete:
+            current = window.current
+            if current is None and window.at_start or current is not None and current.last:
+                self._warn_idle_step()  # nothing to apply: the window starts afresh rather than counting on
+                window.close()
+            else:
+                window.end_micro_batch()
             return False
         if not self.prepare_update():
             return False
@@ -241,6 +261,8 @@ class Engine:
         self.loss_guard.end_window()
 
     def _warn_idle_step(self) -> None:
+        if self._warned_idle_step:
+            return
         self._warned_idle_step = True
         get_dist_logger().warning(
             "engine.step() was called with no engine.backward(loss) since the last update, so it applied nothing "

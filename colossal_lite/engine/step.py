@@ -73,6 +73,8 @@ class TrainStep:
 
     def forward_backward(self, batch: Any, where: Optional[MicroBatch] = None) -> None:
         rec, events, engine, owner = self.record, self.events, self.engine, self.owner
+        if where is not None:  # announced before the forward, where data parallelism decides on syncing
+            engine.window.expect(where)
         self.load(batch)
         for fn in events.before_forward:
             fn(owner)

@@ -3,18 +3,18 @@
 ``SingleProcess`` (world size 1), ``DDPStrategy`` (torch DistributedDataParallel),
 ``AllReduceStrategy`` (bucketed gradient all-reduce in ``engine.step``, the legacy
 ``DataParallelGradientHandler``), ``HandlerStrategy`` (the config's gradient handlers, built from the
-``GRADIENT_HANDLER`` registry, called in ``engine.step``). Each gives ``setup``, ``no_sync``, ``reduce_gradients``,
-``clip_grad_norm_`` and ``unwrap``.
+``GRADIENT_HANDLER`` registry, called in ``engine.step``). Each gives ``setup``, ``set_gradient_sync`` (and the
+``no_sync`` context built on it), ``reduce_gradients``, ``clip_grad_norm_`` and ``unwrap``.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable, List, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..amp.precision import NULL_CONTEXT
 from ..checkpoint.model_state import load_model_state
 from ..core.dist import world_size
 from ..registry import GRADIENT_HANDLER
@@ -47,8 +47,18 @@ class SingleProcess:
     def setup(self, model: nn.Module, optimizer):
         return model, optimizer
 
-    def no_sync(self, model):
-        return NULL_CONTEXT
+    def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
+        """Whether the coming backward synchronises gradients across ranks; set before the forward, where DDP
+        decides it. Strategies that reduce in ``reduce_gradients`` have nothing to decide."""
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module):
+        """Forward and backward inside do not synchronise gradients (torch's ``DistributedDataParallel.no_sync``)."""
+        self.set_gradient_sync(model, False)
+        try:
+            yield
+        finally:
+            self.set_gradient_sync(model, True)
 
     def reduce_gradients(self, model: nn.Module):
         pass
@@ -107,8 +117,9 @@ class DDPStrategy(SingleProcess):
             break
         return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs), optimizer
 
-    def no_sync(self, model):
-        return model.no_sync()
+    def set_gradient_sync(self, model, sync):
+        # what DistributedDataParallel.no_sync() sets; its forward reads it (torch.compile wraps the DDP module)
+        getattr(model, "_orig_mod", model).require_backward_grad_sync = sync
 
 
 class AllReduceStrategy(SingleProcess):

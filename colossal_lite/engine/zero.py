@@ -3,7 +3,6 @@ stages 2 and 3 = FSDP2 (``torch.distributed.fsdp.fully_shard``). No home-made sh
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import inspect
@@ -159,6 +158,7 @@ class FSDPStrategy(SingleProcess):
         self.param_dtype = param_dtype
         self.name = f"ZeRO stage {stage} (FSDP2 fully_shard)"
         self._root: Optional[nn.Module] = None
+        self._sync = True  # FSDP2's own default: gradients are reduce-scattered in every backward
 
     def setup(self, model, optimizer):
         from torch.distributed.fsdp import fully_shard
@@ -209,16 +209,11 @@ class FSDPStrategy(SingleProcess):
                              f"the model has: {', '.join(present)}")
         return units
 
-    @contextlib.contextmanager
-    def _no_sync(self, model):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-
-    def no_sync(self, model):
-        return self._no_sync(model)
+    def set_gradient_sync(self, model, sync):
+        # FSDP2 reads the flag in its post-backward hooks; setting it walks every module, so only on a change
+        if sync != self._sync:
+            self.unwrap(model).set_requires_gradient_sync(sync)
+            self._sync = sync
 
     @staticmethod
     def unwrap(model):

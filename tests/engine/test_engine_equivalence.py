@@ -111,10 +111,10 @@ def test_scheduler_step_passes_its_arguments_through(launched):
     engine, _, _, sched = colossal_lite.initialize(model, opt, LOSS, lr_scheduler=plateau, verbose=False)
     batches = make_batches(4)
     for i in (0, 2):
-        engine.zero_grad()
-        for x, y in batches[i:i + 2]:
+        for j, (x, y) in enumerate(batches[i:i + 2]):  # legacy counting: a micro-batch ends at each step()
+            engine.zero_grad()
             engine.backward(engine.criterion(engine(x), y))
-        assert engine.step()
+            assert engine.step() == (j == 1)
         sched.step(1.0)  # the first sets the best; the second is no better: the LR halves
         sched.step(0.1)  # no update since the last step: ignored
     assert plateau.best == 1.0

@@ -37,11 +37,11 @@ def test_per_token_mean_equals_the_mean_over_all_real_tokens(launched):
     launched(dict(gradient_accumulation=3, grad_reduction="per-token-mean"))
     model = build()
     engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5), token_loss, verbose=False)
-    engine.zero_grad()
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):  # one micro-batch per step() call, as legacy counted
+        engine.zero_grad()
         loss = engine.criterion(engine(x), y)  # the per-token mean of this micro-batch
         engine.backward(loss)
-    assert engine.step() is True
+        assert engine.step() is (i == 2)
     # by hand: one mean over every real token of the three micro-batches
     ref = build()
     logits = torch.cat([ref(x).reshape(-1, VOCAB) for x, _ in batches])
@@ -74,10 +74,10 @@ def test_sum_reduction_adds_micro_batch_gradients(launched):
     model = build()
     engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                           lambda o, y: token_loss(o, y)[0], verbose=False)
-    engine.zero_grad()
     for x, y in batches:
+        engine.zero_grad()
         engine.backward(engine.criterion(engine(x), y))
-    engine.step()
+        engine.step()
     ref = build()
     sum(token_loss(ref(x), y)[0] for x, y in batches).backward()
     with torch.no_grad():
@@ -116,10 +116,10 @@ def test_token_count_does_not_outlive_an_abandoned_window_and_survives_a_resume(
     full, _ = build_engine()
     half, _ = build_engine()
     for eng, part in ((full, batches[:2]), (half, batches[:1])):
-        eng.zero_grad()
         for x, y in part:
+            eng.zero_grad()
             eng.backward(eng.criterion(eng(x), y))
-        eng.step()
+            eng.step()
     resumed, _ = build_engine()
     resumed.load_state_dict(half.state_dict())
     x, y = batches[1]
@@ -143,10 +143,10 @@ model = torch.nn.Linear(4, VOCAB)
 engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5), token_loss, verbose=False)
 batches = token_batches()
 mine = [batches[0], batches[1]] if rank == 0 else [batches[2], batches[2]]  # very different token counts per rank
-engine.zero_grad()
 for x, y in mine:
+    engine.zero_grad()
     engine.backward(engine.criterion(engine(x), y))
-engine.step()
+    engine.step()
 json.dump([p.tolist() for p in engine.unwrapped_model.parameters()], open({out!r} + str(rank), "w"))
 gpc.destroy()
 """

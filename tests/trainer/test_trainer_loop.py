@@ -164,9 +164,8 @@ def test_the_engine_always_calls_its_parts_so_a_users_own_precision_and_strategy
             super().step(optimizer)
 
     class CountingStrategy(SingleProcess):
-        def no_sync(self, model):
-            calls.append("no_sync")
-            return super().no_sync(model)
+        def set_gradient_sync(self, model, sync):
+            calls.append(f"sync={sync}")
 
         def reduce_gradients(self, model):
             calls.append("reduce")
@@ -181,8 +180,12 @@ def test_the_engine_always_calls_its_parts_so_a_users_own_precision_and_strategy
                     precision=CountingPrecision(), strategy=CountingStrategy(), window=AccumulationWindow(2),
                     clip_grad_norm=1.0)
     Trainer(engine).fit(AccumulationDataLoader(batches, engine.window), epochs=1)
-    window = ["autocast", "autocast", "no_sync", "backward", "autocast", "autocast", "backward", "reduce", "clip", "step"]
-    assert calls == window * 2  # forward and criterion under autocast; no_sync on the window's first micro-batch
+    # Sync is decided before each forward (where DDP reads it) and again at the backward (where FSDP2 reads it):
+    # off for the window's first micro-batch, back on after its backward, on for the last; forward and criterion
+    # under autocast.
+    window = ["sync=False", "autocast", "autocast", "sync=False", "backward", "sync=True",
+              "sync=True", "autocast", "autocast", "sync=True", "backward", "reduce", "clip", "step"]
+    assert calls == window * 2
 
     x, y = batches[0]
     bf16, _ = make_engine(make_model(), precision=BF16Precision("cpu"))
