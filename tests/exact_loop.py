@@ -276,6 +276,27 @@ def compare(prec, parallel, acc, loop, rank) -> dict:
                 strategy=engine.strategy.name)
 
 
+def bypass_case(rank: int) -> dict:
+    """DDP, accumulation 2: each window's last forward calls ``engine.model(x)`` directly, bypassing the engine, so
+    nothing announced where it stands; it must still all-reduce (and train as the hand loop does)."""
+    import colossal_lite
+    from colossal_lite.core import global_context as gpc
+
+    counter = CollectiveCounter()
+    gpc.load_config(dict(gradient_accumulation=2))
+    model = build_model()
+    engine, *_ = colossal_lite.initialize(model, build_optimizer(model), nn.CrossEntropyLoss(), verbose=False)
+    engine.model.register_comm_hook(None, counter.ddp_hook)
+    for i, (x, y) in enumerate(batches(rank)[:4]):
+        counter.begin()
+        engine.zero_grad()
+        out = engine(x) if i % 2 == 0 else engine.model(x)
+        engine.backward(engine.criterion(out, y))
+        engine.step()
+        counter.end()
+    return dict(buckets=[s.get("ddp_grad_bucket", 0) for s in counter.steps], updates=engine.num_updates)
+
+
 def run_all(cases, rank: int) -> dict:
     results = {}
     for case in cases:
@@ -299,6 +320,8 @@ if __name__ == "__main__":
     rank = gpc.get_global_rank()
     kinds = sys.argv[2].split(",") if len(sys.argv) > 2 else PARALLEL
     results = run_all(cases(kinds), rank)
+    if "ddp" in kinds:
+        results["bypass"] = bypass_case(rank)
     with open(f"{sys.argv[1]}.rank{rank}", "w") as f:
         json.dump(results, f)
     gpc.destroy()

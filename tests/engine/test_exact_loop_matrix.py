@@ -72,3 +72,10 @@ def test_one_process_equals_the_hand_loop(launched, prec, acc, loop):
     launched({})
     key = f"{prec}/single/{acc}/{loop}"
     _assert_exact(exact_loop.compare(prec, "single", acc, loop, rank=0), key, 0)
+
+
+def test_a_forward_that_bypasses_the_engine_still_syncs(two_ranks):
+    """``engine.model(x)`` for a window's last micro-batch: no forward through the engine said where it stands, and
+    the sync that the previous micro-batch switched off is back on, so its backward all-reduces."""
+    for results in two_ranks:
+        assert results["bypass"] == dict(buckets=[0, 1, 0, 1], updates=2)
