@@ -24,9 +24,10 @@ setup(
         "psutil",
     ],
     extras_require={
-        # mlflow-skinny is the MLflow client the tests need (the full ``mlflow`` package depends on it)
+        # mlflow-skinny is the MLflow client the tests need (the full ``mlflow`` package depends on it);
+        # sqlalchemy and alembic let it open MLflow's default store, a SQLite file
         "dev": ["pytest>=7", "pytest-timeout", "numpy", "scikit-learn", "ruff", "tensorboard", "torchmetrics",
-                "matplotlib", "mlflow-skinny>=2.12"],
+                "matplotlib", "mlflow-skinny>=2.12", "sqlalchemy", "alembic"],
         "examples": ["scikit-learn"],
         "tensorboard": ["tensorboard"],
         "mlflow": ["mlflow>=2.12"],

@@ -95,6 +95,47 @@ def test_without_mlflow_the_error_names_the_extra(tmp_path):
         in proc.stderr, proc.stderr[-2000:]
 
 
+def test_the_default_store_works_after_the_dev_install(tmp_path, monkeypatch):
+    """``MLflowTracker(experiment=...)`` with no tracking_uri: MLflow's default, a SQLite file in the working
+    folder, which the dev extra's client opens."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    colossal_lite.launch_from_torch(config=dict(BATCH_SIZE=8), seed=3, verbose=False)
+    try:
+        engine, _, loader = build()
+        tracker = MLflowTracker(experiment="exp1", log_checkpoint=False)
+        Trainer(engine).fit(loader, epochs=1, hooks=[LossHook()], trackers=[tracker])
+    finally:
+        gpc.destroy()
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED" and "train/Loss" in run.data.metrics
+
+
+def test_a_store_mlflow_cannot_open_gets_an_error_naming_what_to_install_or_set(tmp_path):
+    """Only the client (mlflow-skinny, no SQLAlchemy): MLflow's own error named neither the extra nor a setting."""
+    # SQLAlchemy as a broken install: found, but importing it fails (what the store then needs)
+    code = ("import importlib.machinery, sys\n"
+            "class Broken:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'sqlalchemy' or name.startswith('sqlalchemy.'):\n"
+            "            return importlib.machinery.ModuleSpec(name, self)\n"
+            "    def create_module(self, spec):\n"
+            "        return None\n"
+            "    def exec_module(self, module):\n"
+            "        raise ImportError('No module named ' + repr(module.__name__))\n"
+            "sys.meta_path.insert(0, Broken())\n"
+            "from colossal_lite.trainer.trackers import MLflowTracker, RunInfo\n"
+            "MLflowTracker(experiment='exp1').start(RunInfo(log_dir=None))\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MLFLOW_TRACKING_URI"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=env)
+    assert proc.returncode != 0
+    assert "MLflowTracker cannot use the tracking store MLflow's default" in proc.stderr, proc.stderr[-2000:]
+    assert "pip install 'colossal_lite[mlflow]'" in proc.stderr and "pip install sqlalchemy alembic" in proc.stderr
+    assert "tracking_uri=" in proc.stderr
+
+
 TWO_RANKS = '''
 import json, sys
 import torch

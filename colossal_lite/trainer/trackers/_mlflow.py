@@ -54,7 +54,7 @@ class MLflowTracker(Tracker):
 
     def start(self, run: RunInfo) -> None:
         _, client_cls, _, param_cls = _mlflow()
-        self._client = client = client_cls(tracking_uri=self.tracking_uri)
+        self._client = client = self._connect(client_cls)
         if self.run_id is not None:
             client.update_run(self.run_id, status="RUNNING")
             self._sent = self._last_steps()
@@ -65,6 +65,25 @@ class MLflowTracker(Tracker):
         params = [param_cls(key, str(value)[:_PARAM_CHARS]) for key, value in run.params.items()]
         for i in range(0, len(params), _BATCH):
             client.log_batch(self.run_id, params=params[i:i + _BATCH])
+
+    def _connect(self, client_cls):
+        """A client of the tracking store, or an error saying what to install or set when MLflow cannot use it
+        (MLflow's default store is a SQLite file, which the client-only ``mlflow-skinny`` cannot open without
+        SQLAlchemy and Alembic)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            client = client_cls(tracking_uri=self.tracking_uri)
+            client.search_experiments(max_results=1)  # the first call opens the store
+        except (MlflowException, ImportError) as err:
+            uri = self.tracking_uri or "MLflow's default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)"
+            raise RuntimeError(
+                f"MLflowTracker cannot use the tracking store {uri}: {type(err).__name__}: {str(err)[:300]}. Fix: "
+                f"install the full MLflow (pip install 'colossal_lite[mlflow]'; the client-only mlflow-skinny needs "
+                f"pip install sqlalchemy alembic for a sqlite:/// store), or give MLflowTracker(tracking_uri=...) a "
+                f"server ('http://host:5000') or a folder ('file:///path/mlruns', with the environment variable "
+                f"MLFLOW_ALLOW_FILE_STORE=true)") from err
+        return client
 
     def _last_steps(self) -> Dict[str, int]:
         """The last step of each metric the run already has (what an interrupted process sent)."""
