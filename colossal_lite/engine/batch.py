@@ -53,6 +53,12 @@ def split_samples(obj: Any, parts: int, n: int) -> List[Any]:
     return [map_leaves(operator.itemgetter(i), pieces) for i in range(parts)]
 
 
+def take_rows(obj: Any, n: int, keep: int) -> Any:
+    """``obj`` with every tensor of ``n`` rows cut to its first ``keep`` rows (anything else as it is)."""
+    return map_leaves(lambda leaf: leaf[:keep] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+                      and leaf.shape[0] == n else leaf, obj)
+
+
 class _Pieces:
     """A leaf cut into its micro-batch pieces (a leaf, not a container, so a walk takes it whole)."""
 

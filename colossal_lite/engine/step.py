@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
+
+from ..core.tree import iter_leaves
 from .accumulation import MicroBatch
-from .batch import call_criterion, call_with, move_to_device
+from .batch import batch_len, call_criterion, call_with, move_to_device, take_rows
 
 
 class NoEvents:
@@ -108,13 +111,38 @@ class TrainStep:
             fn(owner)
         return rec.updated
 
-    def forward_only(self, batch: Any, with_loss: bool = True) -> None:
+    def forward_only(self, batch: Any, with_loss: bool = True, keep: Optional[int] = None) -> None:
         """Evaluation's step: load, forward and (with a criterion) the loss; run it under ``torch.no_grad``.
-        The training events do not fire (evaluation has its own, around it)."""
+        The training events do not fire (evaluation has its own, around it).
+
+        ``keep`` (None: all): how many leading rows of the batch are real samples, the rest being a distributed
+        sampler's padding. The forward still runs on every row (every rank runs the same forward, and a model
+        may refuse an empty batch); the batch, its split, the output and the loss are then the real rows' only."""
         rec, engine = self.record, self.engine
         rec.batch, rec.data, rec.label = engine.schedule.place(batch, engine.device)
         rec.output = call_with(self.forward, rec.data)
+        if keep is not None and self._keep_rows(keep, with_loss):
+            return
         rec.loss = call_criterion(self.criterion, rec.output, rec.label) if with_loss else None
+
+    def _keep_rows(self, keep: int, with_loss: bool) -> bool:
+        """Cut the loaded batch, its split and the output to their first ``keep`` rows, then take the loss of
+        those rows; False (nothing cut) when no output tensor has the batch's rows first, since labels cut alone
+        would no longer match the output. With no row left the loss is a zero: it weighs nothing in a
+        per-sample mean, where a criterion's mean over no rows would be NaN."""
+        rec, schedule = self.record, self.engine.schedule
+        rows = batch_len(rec.batch)
+        if not any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows for t in iter_leaves(rec.output)):
+            return False
+        nothing = torch.zeros_like(call_criterion(self.criterion, rec.output, rec.label)) \
+            if with_loss and not keep else None
+        rec.batch = schedule.current_batch = take_rows(rec.batch, rows, keep)
+        rec.data, rec.label, rec.output = (take_rows(part, rows, keep) for part in (rec.data, rec.label, rec.output))
+        if with_loss and keep:
+            rec.loss = call_criterion(self.criterion, rec.output, rec.label)
+        else:
+            rec.loss = nothing
+        return True
 
 
 class AutoMicroBatchStep(TrainStep):

@@ -23,6 +23,7 @@ from ..engine.step import make_train_step
 from ..logging import DistributedLogger, get_dist_logger
 from ..utils.data import DataParallelSampler, batches_per_epoch, skip_batches
 from ..utils.timer import MultiTimer
+from ._padding import RealRows
 from ._predict import is_loader, predict_loader
 from ._recorder import Recorder, flat_params
 from .checkpointing import CheckpointSession, checkpoint_round_trip
@@ -630,11 +631,14 @@ class Trainer:
         return count
 
     def _eval_batches(self, loader, total: Optional[int], return_output_label: bool, progress) -> int:
+        """Evaluation's steps, each followed by ``after_test_iter``; a distributed sampler's padded repeats are cut
+        from each batch's outputs, labels and loss after its forward, so no hook or metric counts them."""
         st, h, timer, step = self.state, self._h, self._run_timer, self._step
         with_loss = self._engine.criterion.wrapped is not None
+        real = RealRows(loader)
         count = 0
         for batch in self._test_batches(loader, total):
-            step.forward_only(batch, with_loss)
+            step.forward_only(batch, with_loss, real.of(batch))
             timer.stop("Test-step", keep_in_history=True)
             output, label = (st.output, st.label) if return_output_label else (None, None)
             for fn in h.after_test_iter:

@@ -77,15 +77,19 @@ class DataParallelSampler(Sampler):
             return self.epoch
         return self.epoch + 1
 
+    def upcoming_start(self) -> int:
+        """Where in this rank's share of the epoch the next iteration starts (not 0 after ``load_state_dict``)."""
+        return self._pending or 0
+
     def upcoming_indices(self) -> List[int]:
         """The dataset indices the next iteration will yield, in order, without starting it."""
-        return self.indices(self.next_epoch())[self._pending or 0:]
+        return self.indices(self.next_epoch())[self.upcoming_start():]
 
     def __iter__(self) -> Iterator[int]:
         self.epoch = self.next_epoch()
         self._iterated = True
         self._epoch_set = False
-        start = self._pending or 0
+        start = self.upcoming_start()
         self._pending = None
         self._iteration += 1
         self._active = True

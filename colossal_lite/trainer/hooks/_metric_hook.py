@@ -267,12 +267,15 @@ class AccuracyMetric(_RatioMetric):
             logits = logits[0]
         if isinstance(targets, (list, tuple)):
             targets = targets[0]
+        n = int(targets.shape[0]) if isinstance(targets, torch.Tensor) and targets.dim() > 0 else \
+            (1 if batch_size is None else int(batch_size))
+        if not n:  # an evaluation batch that was only a sampler's padding: nothing to count, and no
+            return  # accuracy_func is asked about an empty batch, which some cannot take
         correct = self.accuracy_func(logits, targets)
         if not isinstance(correct, torch.Tensor):
             correct = torch.tensor(correct, device=logits.device)
         if correct.dim() or correct.requires_grad:  # (0-dim and without a graph: as it is)
             correct = _scalar(correct, "AccuracyMetric: accuracy_func's result (the number correct)")
-        n = int(targets.shape[0]) if isinstance(targets, torch.Tensor) and targets.dim() > 0 else int(batch_size or 1)
         self._sum.add(correct)
         self._count += n
         self._last_correct, self._last_total = correct, n
@@ -302,6 +305,8 @@ class TorchmetricsMetric(Metric):
     def update(self, logits, targets, batch_size: Optional[int] = None) -> None:
         if isinstance(logits, (list, tuple)):
             logits = logits[0]
+        if isinstance(targets, torch.Tensor) and targets.dim() and not targets.shape[0]:
+            return  # an evaluation batch that was only a sampler's padding (torchmetrics refuses an empty one)
         self.metric.update(logits.detach(), targets)
         self._cached = None
 
@@ -442,7 +447,10 @@ class MetricHook(BaseHook):
 
 
 def _num_samples(trainer) -> int:
-    return trainer.engine.schedule.batch_size or 1
+    """Samples in the batch loaded last (1 when it has no batch dimension); 0 for an evaluation batch that was
+    only a distributed sampler's padding."""
+    size = trainer.engine.schedule.batch_size
+    return 1 if size is None else size
 
 
 def _samples(trainer, label) -> int:
