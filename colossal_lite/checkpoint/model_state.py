@@ -9,7 +9,16 @@ from typing import Dict
 import torch
 from torch import nn
 
-__all__ = ["strip_prefix", "check_model_state", "load_model_state", "unwrap_module", "is_sharded"]
+__all__ = ["ModelMismatchError", "strip_prefix", "check_model_state", "load_model_state", "unwrap_module",
+           "is_sharded"]
+
+
+class ModelMismatchError(RuntimeError):
+    """A checkpoint's weights do not fit the model: missing or unexpected keys (``strict``), or other shapes."""
+
+    def __init__(self, message: str, shapes_differ: bool):
+        super().__init__(message)
+        self.shapes_differ = shapes_differ
 
 
 def strip_prefix(state: Dict[str, torch.Tensor], prefix: str = "module.") -> Dict[str, torch.Tensor]:
@@ -20,7 +29,7 @@ def strip_prefix(state: Dict[str, torch.Tensor], prefix: str = "module.") -> Dic
 
 
 def check_model_state(own: Dict[str, torch.Tensor], state: Dict[str, torch.Tensor], strict: bool = True):
-    """Raise a ``RuntimeError`` listing missing/unexpected keys (with ``strict``) and shape mismatches.
+    """Raise a ``ModelMismatchError`` listing missing/unexpected keys (with ``strict``) and shape mismatches.
 
     ``own`` is the model's state dict (DTensors report their global shapes). Returns (missing, unexpected).
     """
@@ -38,7 +47,7 @@ def check_model_state(own: Dict[str, torch.Tensor], state: Dict[str, torch.Tenso
                          f"{' ...' if len(unexpected) > 20 else ''}")
         if shapes:
             parts.append(f"shape mismatches ({len(shapes)}): {'; '.join(shapes[:20])}")
-        raise RuntimeError("the checkpoint does not match the model:\n  " + "\n  ".join(parts))
+        raise ModelMismatchError("the checkpoint does not match the model:\n  " + "\n  ".join(parts), bool(shapes))
     return missing, unexpected
 
 

@@ -10,6 +10,7 @@ from ...checkpoint import CheckpointManager, restore_rng_state
 from ...checkpoint.io import CheckpointError
 from ...checkpoint.manager import has_sharded_state, load_sharded, model_state_from
 from ...checkpoint.merged import keyed_by_name, optimizer_state_by_name, optimizer_state_by_position, parameter_names
+from ...checkpoint.model_state import ModelMismatchError
 from ...core.dist import log_rank_0, world_size
 from .contents import hook_entry, saved_hook_states
 
@@ -45,11 +46,16 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
     """
     if train_loader is None and trainer.checkpoints is not None:
         train_loader = trainer.checkpoints.train_loader
+    try:
+        if finetune:
+            _load_weights_only(trainer, path, shared, strict)
+        else:
+            _restore_engine(trainer.engine, path, shared, strict)
+    except ModelMismatchError as err:
+        raise ModelMismatchError(f"{err}\n{_ways_on(path, err.shapes_differ)}", err.shapes_differ) from err
     if finetune:
-        _load_weights_only(trainer, path, shared, strict)
         trainer.load_state_dict({"progress": {"epoch": 0, "step": 0, "iteration": 0, "batch_idx": 0}})
         return path
-    _restore_engine(trainer.engine, path, shared, strict)
     saved = shared.get("trainer") or {}
     trainer.load_state_dict({"progress": saved.get("progress", {}), "hooks": _hook_states_to_load(trainer, path, shared),
                              "history": saved.get("history"), "trackers": saved.get("trackers")})
@@ -61,6 +67,17 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
     trainer.fire("on_load_checkpoint", dict(shared, rank_state=rank_state))
     _restore_rank_state(trainer, path, shared, rank_state, train_loader, same_world)
     return path
+
+
+def _ways_on(path: Path, shapes_differ: bool) -> str:
+    """What a user whose model changed since the checkpoint was written can do instead."""
+    ways = ["resume from a checkpoint of this model (give the new run its own folder: "
+            "SaveCheckpointHook(..., checkpoint_dir='another/folder'))",
+            "or start afresh without reading it: fit(..., resume_from=None)"]
+    if not shapes_differ:
+        ways.append(f"or take the weights that match and train from step 0: "
+                    f"LoadCheckpointHook('{path.parent}', finetune=True, strict=False)")
+    return f"Checkpoint read: {path}. Fix: " + ", ".join(ways)
 
 
 def _hook_states_to_load(trainer, path: Path, shared: Dict[str, Any]) -> Dict[str, Any]:
