@@ -38,6 +38,11 @@ class GlobalContext:
         self.seed: Optional[int] = None
         self._engines = weakref.WeakSet()  # engines built by initialize(); detached from the group on destroy()
 
+    @property
+    def engines(self) -> tuple:
+        """The live engines ``initialize`` built, so ``save_checkpoint`` can find the one that owns a model."""
+        return tuple(self._engines)
+
     # -- config ----------------------------------------------------------------------------
     @property
     def config(self) -> Optional[Config]:

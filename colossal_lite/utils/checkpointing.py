@@ -42,19 +42,23 @@ from ..checkpoint.merged import (
 )
 from ..checkpoint.model_state import check_model_state, is_sharded, load_model_state, unwrap_module
 from ..core.dist import is_rank_0
+from ..core.global_context import global_context as gpc
 
 __all__ = ["load_model_state", "check_model_state", "save_checkpoint", "load_checkpoint", "load_scheduler_state",
-           "write_checkpoint_file"]
+           "write_checkpoint_file", "owning_engine", "engine_resume_state"]
 
 
 # -- legacy single-file checkpoints ----------------------------------------------------------------
-_RESERVED = ("epoch", "model", "optimizer", "lr_scheduler", "colossal_lite")
+_RESERVED = ("epoch", "model", "optimizer", "lr_scheduler", "engine", "colossal_lite")
 
 
 def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                     lr_scheduler=None, **kwargs) -> Optional[Path]:
     """Save ``epoch``, the model weights and (unlike legacy Colossal-AI) the optimizer and scheduler state to ``file``.
 
+    When the model, optimizer or scheduler belongs to an engine ``initialize`` built, the engine's own state goes
+    in too (``"engine"``: its update count, the fp16 loss scaler, an open accumulation window), so that
+    ``load_checkpoint`` continues an engine loop exactly, the scheduler ``initialize`` returned included.
     Written by global rank 0 only, atomically (temp file, fsync, rename), so an interrupted save
     leaves the previous ``file`` intact. The model may be DDP-wrapped or not: the weights are stored
     without the ``module.`` prefix. ``kwargs`` are stored too and must be tensors or plain values.
@@ -64,28 +68,61 @@ def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torc
     _check_extra(kwargs)
     if not is_rank_0():
         return None
+    engine = owning_engine(model, optimizer, lr_scheduler)
     return write_checkpoint_file(file, epoch, unwrap_module(model).state_dict(),
                                  None if optimizer is None else optimizer.state_dict(),
-                                 None if lr_scheduler is None else lr_scheduler.state_dict(), **kwargs)
+                                 None if lr_scheduler is None else lr_scheduler.state_dict(),
+                                 engine_state=None if engine is None else engine_resume_state(engine), **kwargs)
+
+
+def owning_engine(model: Optional[nn.Module], optimizer=None, lr_scheduler=None):
+    """The engine that ``initialize`` built around these objects, or None: the one the scheduler it returned counts
+    updates of, else the one driving ``optimizer``, else the one running ``model``."""
+    engine = _wrapper_engine(lr_scheduler)
+    if engine is not None:
+        return engine
+    engines = gpc.engines
+    if optimizer is not None:
+        for candidate in engines:
+            # ZeRO stage 1 steps its own optimizer, which shares the param-group list of the user's
+            if candidate.optimizer is optimizer or candidate.optimizer.param_groups is optimizer.param_groups:
+                return candidate
+    module = None if model is None else unwrap_module(model)
+    return next((candidate for candidate in engines
+                 if module is not None and unwrap_module(candidate.model) is module), None)
+
+
+def engine_resume_state(engine) -> Dict[str, Any]:
+    """What the engine needs beside the model and optimizer state to continue exactly: its update count (which the
+    scheduler wrapper compares with what it has seen), the loss scaler (and naive fp16's fp32 master weights),
+    and an open accumulation window with the gradients gathered in it (refused where the gradients are sharded)."""
+    state = engine.state_dict_without_shards(check_window=engine.shards_state)
+    if not engine.window.at_start:
+        state["window_grads"] = [None if p.grad is None else p.grad.detach().clone()
+                                 for p in engine.unwrapped_model.parameters()]
+    return state
 
 
 def _check_extra(kwargs: Dict[str, Any]) -> None:
-    clash = sorted(set(kwargs) & set(_RESERVED))
+    clash = sorted(set(kwargs) & {*_RESERVED, "engine_state"})
     if clash:
         raise ValueError(f"save_checkpoint(**kwargs) cannot use the names {clash}: they hold the checkpoint itself")
 
 
 def write_checkpoint_file(file, epoch: int, model_state: Dict[str, Any], optimizer_state: Optional[Dict] = None,
-                          scheduler_state: Optional[Dict] = None, **kwargs) -> Path:
+                          scheduler_state: Optional[Dict] = None, *, engine_state: Optional[Dict] = None,
+                          **kwargs) -> Path:
     """``save_checkpoint``'s file from states already taken, written by this process (atomically) whichever rank
     it is: ``SaveCheckpointHook`` with a file path gathers the states on every rank (a collective where they are
-    sharded) and writes on rank 0 only."""
+    sharded) and writes on rank 0 only. ``engine_state``: ``engine_resume_state(engine)``."""
     _check_extra(kwargs)
     state: Dict[str, Any] = {"epoch": int(epoch), "model": model_state}
     if optimizer_state is not None:
         state["optimizer"] = optimizer_state
     if scheduler_state is not None:
         state["lr_scheduler"] = scheduler_state
+    if engine_state is not None:
+        state["engine"] = engine_state
     state.update(kwargs)
     state["colossal_lite"] = {"version": __version__, "torch_version": torch.__version__}
     path = Path(file)
@@ -117,20 +154,25 @@ def load_scheduler_state(lr_scheduler, state) -> None:
     """``lr_scheduler.load_state_dict(state)`` for a state saved from the engine's scheduler wrapper loaded into a
     bare scheduler, or the other way round. ``lr_scheduler`` may be a wrapper itself (the engine's, or an object
     holding one as ``.lr_scheduler`` and passing the state on): it then gets the state as saved."""
-    wrapped = isinstance(state, dict) and set(state) == {"scheduler", "seen_updates"}
-    if wrapped and not _takes_wrapped_state(lr_scheduler):
+    if _is_wrapped_state(state) and _wrapper_engine(lr_scheduler) is None:
         state = state["scheduler"]
     lr_scheduler.load_state_dict(state)
 
 
-def _takes_wrapped_state(target) -> bool:
-    """``target`` is the engine's scheduler wrapper (an ``EngineLRScheduler``), or holds one as ``.lr_scheduler``."""
+def _is_wrapped_state(state) -> bool:
+    """The state of the engine's scheduler wrapper: the scheduler's own and the updates it has seen."""
+    return isinstance(state, dict) and set(state) == {"scheduler", "seen_updates"}
+
+
+def _wrapper_engine(target):
+    """The engine of ``target`` when it is the engine's scheduler wrapper (an ``EngineLRScheduler``) or holds one
+    as ``.lr_scheduler`` (an ``LRSchedulerHook``); else None."""
     while target is not None:
         attributes = getattr(target, "__dict__", {})
         if "_engine" in attributes:
-            return True
+            return attributes["_engine"]
         target = attributes.get("lr_scheduler")
-    return False
+    return None
 
 
 def load_checkpoint(file, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler=None,
@@ -138,6 +180,11 @@ def load_checkpoint(file, model: nn.Module, optimizer: Optional[torch.optim.Opti
     """Load a ``save_checkpoint`` file into ``model`` (DDP-wrapped, ZeRO-sharded or not) and, when given,
     ``optimizer`` and ``lr_scheduler``; returns the stored epoch (-1 if the file has none). Every rank calls it
     and reads ``file``.
+
+    With ``optimizer`` given, the engine that owns these objects (see ``save_checkpoint``) gets its saved state
+    back: update count, loss scaler, open window. A file written before save_checkpoint stored that state gives
+    the engine the update count its scheduler wrapper had seen, so the schedule still continues; the loss scale
+    then starts afresh (with a warning).
 
     A file ``colossal-lite ckpt merge`` wrote loads too: its model, optimizer and (first) scheduler,
     and the epoch of the checkpoint it was merged from. So does a checkpoint folder
@@ -184,8 +231,9 @@ def _checkpoint_folder(path: Path) -> Path:
 
 
 def load_checkpoint_state(state, path: Path, model: nn.Module, optimizer=None, lr_scheduler=None,
-                          strict: bool = True) -> int:
-    """``load_checkpoint`` of the content of the file ``path``, already read."""
+                          strict: bool = True, engine=None) -> int:
+    """``load_checkpoint`` of the content of the file ``path``, already read. ``engine``: the one whose state the
+    file's engine state restores (None: the one that owns these objects, if any)."""
     if is_merged(state):
         state = _legacy_view(state, merged_meta(state).get("epoch", -1))
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
@@ -210,17 +258,46 @@ def load_checkpoint_state(state, path: Path, model: nn.Module, optimizer=None, l
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"cannot load the {name} state of {path} into this {name} "
                              f"({type(target).__name__}): {e}") from e
+    if optimizer is not None:  # weights alone (finetuning) leave the engine's count and loss scale as they are
+        _load_engine_state(state, path, engine or owning_engine(model, optimizer, lr_scheduler))
     epoch = state.get("epoch", -1)
     return int(epoch) if isinstance(epoch, (int, float)) else -1
 
 
+def _load_engine_state(state: Dict[str, Any], path: Path, engine) -> None:
+    """The file's engine state into ``engine`` (None: the objects belong to no engine, nothing to do)."""
+    if engine is None:
+        return
+    saved = state.get("engine")
+    if saved is None:
+        saved = _older_file_engine_state(state, path, engine)
+    try:
+        engine.load_state_dict(saved)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot load the engine state of {path} (update count, loss scaler, accumulation "
+                         f"window) into this engine: {e}") from e
+
+
+def _older_file_engine_state(state: Dict[str, Any], path: Path, engine) -> Dict[str, Any]:
+    """For a file without the engine's state: the update count the scheduler wrapper had seen when it was saved
+    (the wrapper steps only when the engine's count differs from it, so a count left at 0 would move it once
+    too often)."""
+    if engine.loss_scale is not None:
+        warnings.warn(f"{path} holds no loss scale (saved by an older colossal_lite, or without the engine's "
+                      f"optimizer); the fp16 loss scale starts from its initial value", stacklevel=5)
+    scheduler = state.get("lr_scheduler")
+    return {"num_updates": int(scheduler["seen_updates"])} if _is_wrapped_state(scheduler) else {}
+
+
 def _legacy_view(checkpoint: Dict[str, Any], epoch: Any) -> Dict[str, Any]:
     """A trainer checkpoint's content (a folder's shared state, or a merged file) in ``save_checkpoint``'s layout:
-    model, optimizer, the first scheduler, ``epoch``."""
+    model, optimizer, the engine's own state, the first scheduler, ``epoch``."""
     engine = checkpoint.get("engine") or {}
     view: Dict[str, Any] = {"model": engine.get("model"), "epoch": -1 if epoch is None else epoch}
     if "optimizer" in engine:
         view["optimizer"] = engine["optimizer"]
+    if "num_updates" in engine:  # written by an engine (not an outside tool): its state beside model and optimizer
+        view["engine"] = {key: value for key, value in engine.items() if key not in ("model", "optimizer")}
     schedulers = checkpoint.get("lr_schedulers") or {}
     if schedulers:
         view["lr_scheduler"] = next(iter(schedulers.values()))  # the first LRSchedulerHook's

@@ -75,7 +75,8 @@ def test_file_path_hook_rewrites_the_legacy_file_at_each_interval(tmp_path, suff
     assert seen == [(0, True), (1, True)]
     assert sorted(os.listdir(path.parent)) == [path.name]  # one file, overwritten; no folders, no leftovers
     state = torch.load(path, weights_only=True)
-    assert sorted(state) == ["colossal_lite", "epoch", "lr_scheduler", "model", "optimizer"]
+    assert sorted(state) == ["colossal_lite", "engine", "epoch", "lr_scheduler", "model", "optimizer"]
+    assert state["engine"]["num_updates"] == 3 * 3  # the engine's own state: its update count, its loss scaler
     # load_checkpoint reads it: weights, optimizer (momentum) and scheduler of the end of epoch 2
     m, o, s = _fresh()
     assert load_checkpoint(path, m, o, s) == 2

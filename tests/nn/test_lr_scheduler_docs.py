@@ -56,12 +56,12 @@ def test_printed_lr_sequence_matches_hand_computation_and_the_page(page_run):
     assert shown == line
 
 
-def test_epoch_log_shows_the_lr_after_each_epochs_step(page_run):
+def test_epoch_log_shows_the_lr_each_epoch_trained_at(page_run):
     _, proc = page_run
     output = proc.stdout + proc.stderr
     logged = [float(v) for v in re.findall(r"\[Epoch \d+ / Train\]: .*\| LR = ([0-9.e-]+)", output)]
-    # CosineAnnealingLR(total_steps=4) stepped once per epoch: the line after epoch k shows t = k + 1
-    expected = [BASE_LR * (1 + math.cos(math.pi * (k + 1) / 4)) / 2 for k in range(4)]
+    # CosineAnnealingLR(total_steps=4) stepped once per epoch: epoch k trained at t = k
+    expected = [BASE_LR * (1 + math.cos(math.pi * k / 4)) / 2 for k in range(4)]
     assert logged == pytest.approx(expected, rel=1e-4, abs=1e-9), output
     assert printed_line("LR after the last epoch:", proc.stdout) == "LR after the last epoch: 0.0"
 

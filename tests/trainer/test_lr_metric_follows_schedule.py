@@ -3,7 +3,9 @@
 The ``LR`` metric once cached its first read, so epoch log lines, TensorBoard, ``trainer.states`` and each
 checkpoint's ``meta.json`` kept the first epoch's LR while the optimizer's really followed the schedule.
 Here every place is compared with ``optimizer.param_groups[0]['lr']`` at each epoch of a cosine schedule:
-by epoch and by step, torch's and colossal_lite's scheduler, one process and two (torchrun, gloo).
+by epoch and by step, torch's and colossal_lite's scheduler, one process and two (torchrun, gloo). The epoch
+log line is compared with the LR the epoch's last update used (the optimizer's after that update, before the
+scheduler stepped), the others with the optimizer's LR at the epoch's end.
 """
 import json
 import runpy
@@ -41,10 +43,14 @@ SCRIPT = textwrap.dedent('''
         def __init__(self):
             super().__init__(priority=1000)
             self.seen = []
+            self.trained = None
+        def after_optimizer_step(self, trainer):
+            self.trained = engine.optimizer.param_groups[0]["lr"]  # the LR this update used
         def after_train_epoch(self, trainer):
             metric = trainer.states["metrics"]["train"]["LR"]
             self.seen.append({"step": trainer.state.step, "optimizer": engine.optimizer.param_groups[0]["lr"],
-                              "states": metric.get_accumulated_value(), "state_lr": trainer.state.lr})
+                              "states": metric.get_accumulated_value(), "state_lr": trainer.state.lr,
+                              "trained": self.trained})
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -99,8 +105,10 @@ def _check(out_dir, by_epoch):
     for p in probe:  # trainer.states and trainer.state.lr
         assert p["states"] == pytest.approx(p["optimizer"], rel=1e-9, abs=1e-12)
         assert p["state_lr"] == pytest.approx(p["optimizer"], rel=1e-9, abs=1e-12)
-    # the epoch log lines (printed with 5 significant digits)
-    assert result["logged"] == pytest.approx(lrs, rel=1e-4, abs=1e-9)
+    # the epoch log lines (printed with 5 significant digits): the LR the epoch's last update used
+    assert result["logged"] == pytest.approx([p["trained"] for p in probe], rel=1e-4, abs=1e-9)
+    if by_epoch:
+        assert result["logged"][0] == pytest.approx(0.1)  # epoch 0 trained at the base LR
     # each epoch's checkpoint
     assert [step for step, _ in result["meta"]] == [p["step"] for p in probe]
     assert [lr for _, lr in result["meta"]] == pytest.approx(lrs, rel=1e-9, abs=1e-12)

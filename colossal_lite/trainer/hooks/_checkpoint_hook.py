@@ -159,13 +159,15 @@ class SaveCheckpointHook(BaseHook):
 
     def _save_file(self, trainer) -> Path:
         """The legacy single file: the engine's full model and optimizer state (gathered on every rank: a
-        collective under ZeRO) and the first ``LRSchedulerHook``'s scheduler, written by rank 0 over the last one.
+        collective under ZeRO), the engine's own state (update count, loss scaler) and the first
+        ``LRSchedulerHook``'s scheduler, written by rank 0 over the last one.
         It is named after the epoch its last optimizer step belongs to, as ``LoadCheckpointHook`` expects."""
         engine_state = trainer.engine.state_dict()
         scheduler = next((hook for hook in trainer.hooks if hook_entry(hook) == "lr_schedulers"), None)
         if is_rank_0():
+            own_state = {key: value for key, value in engine_state.items() if key not in ("model", "optimizer")}
             write_checkpoint_file(self.file, name_epoch(trainer), engine_state["model"], engine_state["optimizer"],
-                                  None if scheduler is None else scheduler.state_dict())
+                                  None if scheduler is None else scheduler.state_dict(), engine_state=own_state)
         return self.file
 
     def __repr__(self) -> str:
@@ -265,7 +267,7 @@ class LoadCheckpointHook(BaseHook):
         # the file's one scheduler state goes to the first hook that keeps a scheduler's state (an LRSchedulerHook)
         scheduler = next((hook for hook in trainer.hooks if hook_entry(hook) == "lr_schedulers"), None)
         epoch = load_checkpoint_state(state, path, engine.model, None if self.finetune else engine.optimizer,
-                                      None if self.finetune else scheduler, strict=self.strict)
+                                      None if self.finetune else scheduler, strict=self.strict, engine=engine)
         start = 0 if self.finetune or epoch < 0 else epoch + 1  # the file holds the epoch it finished
         spe = st.steps_per_epoch or 0
         trainer.load_state_dict({"progress": {"epoch": start, "step": start * spe, "batch_idx": 0,

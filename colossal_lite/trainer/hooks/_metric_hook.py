@@ -328,7 +328,9 @@ class LearningRateMetric(Metric):
     """The learning rate of the first parameter group (a float; the same on every rank, no reduction).
 
     With ``source`` (a callable returning the current learning rate) the value is read when asked, so
-    following the schedule costs nothing per step; ``update(lr)`` sets a value instead.
+    following the schedule costs nothing per step; ``update(lr)`` sets a value instead. The epoch log line
+    shows ``trained_lr``: a scheduler steps at the epoch's end before the line is written, and the line is
+    about the epoch that ran.
     """
 
     def __init__(self, epoch_only: bool, initial_lr: float = 0.0, device: Optional[torch.device] = None,
@@ -336,6 +338,7 @@ class LearningRateMetric(Metric):
         super().__init__(epoch_only, device)
         self._lr = float(initial_lr)
         self._source = source
+        self._trained: Optional[float] = None  # the LR of the last update, noted before the scheduler moved on
 
     @property
     def lr(self) -> float:
@@ -347,6 +350,20 @@ class LearningRateMetric(Metric):
     def update(self, lr: float) -> None:
         self._lr = float(lr)
         self._source = None
+        self._trained = None
+
+    def note_trained(self, lr: float) -> None:
+        """``lr`` is what the updates so far trained at (``LRSchedulerHook`` notes it before stepping)."""
+        self._trained = float(lr)
+
+    @property
+    def trained_lr(self) -> float:
+        """The LR the last update trained at (the current LR while none is noted)."""
+        return self.lr if self._trained is None else self._trained
+
+    def get_accumulated_info(self) -> str:
+        """The epoch log line's text: the LR the epoch trained at, not the one its end's scheduler step set."""
+        return format_number(self.trained_lr)
 
     def last_step_value(self):
         return self.lr
@@ -621,21 +638,27 @@ class LRSchedulerHook(MetricHook):
             trainer.states["metrics"]["train"]["LR"] = self.metric
             trainer.state.follow_lr(self._current_lr)
 
+    def _step(self, *args) -> None:
+        """Step the scheduler; the LR metric first notes the LR that is ending, which the updates trained at."""
+        if self.metric is not None:
+            self.metric.note_trained(self._current_lr())
+        self.lr_scheduler.step(*args)
+
     def after_train_iter(self, trainer, output, label, loss):
         if not self.by_epoch and trainer.state.updated:
-            self.lr_scheduler.step()
+            self._step()
 
     def _step_on_metric(self, trainer, phase: str) -> None:
         watched_phase, name = resolve_metric(trainer, self.monitor)
         if watched_phase == phase:  # (reading the epoch value is a collective: every rank is here)
-            self.lr_scheduler.step(trainer.states["metrics"][phase][name].get_accumulated_value())
+            self._step(trainer.states["metrics"][phase][name].get_accumulated_value())
 
     def after_train_epoch(self, trainer):
         # an epoch cut short (max_steps, a stop) is continued by the next fit, which ends it and steps then
         if not (self.by_epoch and trainer.state.epoch_finished):
             return
         if self.monitor is None:
-            self.lr_scheduler.step()
+            self._step()
         else:
             self._step_on_metric(trainer, "train")
 
