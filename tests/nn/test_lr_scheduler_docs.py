@@ -79,3 +79,19 @@ def test_multistep_time_milestones_block_prints_what_the_page_says(page_run):
         assert f"`{line}`" in PAGE.read_text(), line
     assert printed_line("milestones resolved to:", proc.stdout) == "milestones resolved to: [6, 12, 18]"
     assert printed_line("epoch milestones resolved to:", proc.stdout) == "epoch milestones resolved to: [4, 12]"
+
+
+def test_nanogpt_schedule_snippet_gives_nanogpts_lr_at_every_update(page_run):
+    """The page's LambdaLR recipe uses, at update t, the LR nanoGPT's get_lr(t) gives: warm-up (t+1)/(w+1), cosine,
+    then the floor held past lr_decay_iters (where CosineAnnealingWarmupLR's cosine would climb back)."""
+    _, proc = page_run
+    line = printed_line("nanoGPT LR of each update:", proc.stdout)
+    got = [float(v) for v in line.split(":")[1].split()]
+    base, floor, warmup, decay = 0.1, 0.01, 2, 6
+    expected = [base * (t + 1) / (warmup + 1) if t < warmup else floor if t > decay else
+                floor + 0.5 * (1 + math.cos(math.pi * (t - warmup) / (decay - warmup))) * (base - floor)
+                for t in range(9)]
+    assert got == pytest.approx(expected, abs=5e-7)
+    assert got[-3:] == [floor] * 3
+    page = PAGE.read_text()
+    assert "nanoGPT LR of each update: " + " ".join(f"{v:.6f}" for v in expected[:7]) in page.replace("\n", " ")
