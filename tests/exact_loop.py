@@ -1,7 +1,8 @@
 """The training loop a careful user writes by hand, and the same training through colossal_lite, side by side.
 
 Used by ``engine/test_exact_loop_matrix.py``: in the test process for one process, and as a torchrun script
-(``python -m torch.distributed.run --nproc_per_node 2 exact_loop.py OUT``) for the data-parallel kinds. Each case
+(``python -m torch.distributed.run --nproc_per_node 2 exact_loop.py OUT``) for the data-parallel kinds; and by
+``benchmarks/gpu_check.py`` on a GPU. Both loops run on the launched device (``device()``: CUDA where there is one). Each case
 is {precision} x {data-parallel kind} x {accumulation 1, or 3 over 7 micro-batches: windows of 3, 3 and a partial
 1}, with clipping, a model with BatchNorm and two param groups listed in another order than the model's (decay /
 no-decay, as nanoGPT builds them). The hand loop is what torch's documentation says to write for the case:
@@ -53,9 +54,18 @@ def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
                            lr=LR, momentum=0.9)
 
 
+def device() -> torch.device:
+    """Where both loops run: the launched process's device (CUDA when the machine has it, as users train)."""
+    from colossal_lite.core import global_context as gpc
+
+    return gpc.device
+
+
 def batches(rank: int):
+    """The micro-batches of ``rank``, drawn on the CPU (the same numbers on every device) and placed on ``device()``."""
     g = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(4, 6, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(MICRO_BATCHES)]
+    drawn = [(torch.randn(4, 6, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(MICRO_BATCHES)]
+    return [(x.to(device()), y.to(device())) for x, y in drawn]
 
 
 def windows(acc: int, n: int = MICRO_BATCHES):
@@ -143,8 +153,9 @@ def hand_loop(prec: str, parallel: str, acc: int, rank: int, counter: Collective
     """What a careful user writes for the case. Returns (model, losses)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = build_model()
+    model = build_model().to(device())
     world = dist.get_world_size() if dist.is_initialized() else 1
+    kind = device().type
     dtype = dict(fp32=None, bf16=torch.bfloat16, fp16=torch.float16)[prec]
     if parallel in ("ddp", "zero1"):
         if world > 1:
@@ -161,9 +172,9 @@ def hand_loop(prec: str, parallel: str, acc: int, rank: int, counter: Collective
     if prec == "fp16" and parallel in ("zero2", "zero3"):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        scaler = ShardedGradScaler("cpu", init_scale=INIT_SCALE)
+        scaler = ShardedGradScaler(kind, init_scale=INIT_SCALE)
     else:
-        scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, enabled=prec == "fp16")
+        scaler = torch.amp.GradScaler(kind, init_scale=INIT_SCALE, enabled=prec == "fp16")
     losses = []
     for (x, y), (first, last, size) in zip(batches(rank), windows(acc)):
         counter.begin()
@@ -175,7 +186,7 @@ def hand_loop(prec: str, parallel: str, acc: int, rank: int, counter: Collective
         else:
             sync = model.no_sync() if not last and isinstance(model, DDP) else contextlib.nullcontext()
         with sync:
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            with torch.autocast(kind, dtype=dtype, enabled=dtype is not None):
                 loss = nn.functional.cross_entropy(model(x), y)
             scaler.scale(loss / size).backward()
         losses.append(loss.detach().float().item())

@@ -36,6 +36,7 @@ def write_config(folder: Path, name: str = "launch_config.py") -> Path:
 
 
 # -- gpc before launch ------------------------------------------------------------------------------
+@pytest.mark.gpu
 def test_gpc_answers_before_launch():
     assert gpc.config is None
     assert not gpc.is_initialized() and not gpc.is_initialized(ParallelMode.DATA)

@@ -149,6 +149,7 @@ def test_rng_state_round_trips_through_a_safe_file(tmp_path):
     assert isinstance(loaded["python"]["state"], list)
 
 
+@pytest.mark.gpu
 def test_rng_restore_warns_about_generators_it_cannot_restore():
     state = capture_rng_state()
     if not torch.cuda.is_available():

@@ -65,6 +65,7 @@ def test_fsdp_reduce_scatters_only_at_window_ends(two_ranks, stage):
     assert [n > 0 for n in scatters] == [False, False, True, False, False, True, True]
 
 
+@pytest.mark.gpu  # on a machine with CUDA both loops run there (exact_loop.device())
 @pytest.mark.parametrize("loop", exact_loop.LOOPS)
 @pytest.mark.parametrize("acc", exact_loop.ACCUMULATIONS)
 @pytest.mark.parametrize("prec", exact_loop.PRECISIONS)

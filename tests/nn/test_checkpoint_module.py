@@ -107,6 +107,7 @@ class Block(CheckpointModule):
         return torch.relu(self.fc(torch.relu(self.fc(h))))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="offload moves tensors from an accelerator to the host")
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_offload_keeps_what_backward_needs_off_the_gpu(checkpoint):

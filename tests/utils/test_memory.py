@@ -2,6 +2,7 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 import colossal_lite.utils.memory as memory
@@ -32,6 +33,7 @@ def test_report_cpu_has_positive_rss():
     assert 0 < used <= 100
 
 
+@pytest.mark.gpu
 def test_gpu_part_only_with_cuda(capsys):
     msg = report_memory_usage("probe")
     assert capsys.readouterr().out.strip() == msg

@@ -1,0 +1,39 @@
+"""``benchmarks/gpu_check.py --dry-run``: the GPU check's whole path on the CPU, so it never rots without a GPU.
+
+Every section must be in the JSON with a status; those that can run on the CPU must pass, and those that need CUDA
+must say so (skipped with a reason). The speed figures of a CPU dry run mean nothing and are not checked.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NEEDS_CUDA = {"nccl_one_rank"}  # skipped on the CPU
+NEEDS_PACKAGE = {"speed_gpt2", "speed_gpt2_compile"}  # skipped where transformers is not installed
+
+
+def test_dry_run_runs_every_section_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gpu_check
+
+    expected = [name for name, _, _ in gpu_check.sections()]
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""})
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    sections = doc["sections"]
+    assert doc["dry_run"] is True and doc["device"] == "cpu"
+    assert list(sections) == expected, proc.stdout[-3000:]
+    for name, record in sections.items():
+        assert record["status"] in ("passed", "skipped"), f"{name}: {record}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        assert "seconds" in record and record.get("summary")
+        if record["status"] == "skipped":
+            assert name in NEEDS_CUDA | NEEDS_PACKAGE, f"{name} was skipped on the CPU: {record['summary']}"
+            assert record.get("reason")
+    assert proc.returncode == 0
+    assert sections["nccl_one_rank"]["status"] == "skipped"
+    assert sections["equivalence"]["cases"] and all(c["bitwise"] for c in sections["equivalence"]["cases"].values())
+    assert sections["speed_resnet18"]["contestants"].keys() >= {"hand", "engine", "trainer"}
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("total "), "the table is printed last"
