@@ -124,6 +124,14 @@ class _RunningSum:
         self._in_part = int(state.get("in_part", 0)) if part is not None else 0
         self._weight = state.get("weight", 1)
 
+    def peek(self) -> Optional[torch.Tensor]:
+        """The sum so far as a new 0-dim tensor, None before any value. Unlike ``value`` it does not fold: a
+        display reading it at its own moments leaves the sum's grouping (and so its last bits) as it was."""
+        part = self._part * self._weight if self._part is not None and self._in_part else None
+        if self._total is None:
+            return part
+        return self._total.clone() if part is None else self._total + part
+
     def value(self, device: torch.device) -> torch.Tensor:
         """A copy of the sum so far, 0-dim float64 (float32 on MPS), on the updates' device (``device`` if none)."""
         self._fold()
@@ -155,6 +163,11 @@ class Metric:
         """This rank's value at the last update: a device tensor or a float, or None before any update. A tensor
         returned here must not be changed in place later: the history holds it for a few steps before copying it."""
         return None
+
+    def running_value(self) -> Any:
+        """This rank's value over the epoch so far (a device tensor or a float; None before any update), not
+        reduced over ranks: what a progress display shows during evaluation. By default the last step's."""
+        return self.last_step_value()
 
     def get_last_step_value(self) -> Any:
         """``last_step_value()`` as a Python number (reads the device)."""
@@ -202,6 +215,10 @@ class _RatioMetric(Metric):
         self.reset()
         self._sum.load_state(state, self.device)
         self._count = int(state["count"])
+
+    def running_value(self):
+        total = self._sum.peek()
+        return None if total is None or not self._count else total / self._count
 
     def _compute_accumulated(self) -> float:
         total = self._sum.value(self.device)
@@ -727,15 +744,17 @@ class ThroughputHook(MetricHook):
 
 
 class _StepMetricsView(Mapping):
-    """``states['step_metrics']`` as a live view: the current phase's metrics' last-step values, read on access."""
+    """``states['step_metrics']`` as a live view, read on access: in training each metric's last-step value, in
+    evaluation its value over the batches evaluated so far (which ends as the epoch's value the log line shows;
+    a last batch's value says little about a test set)."""
 
     def __init__(self, trainer):
         self._trainer = trainer
 
     def _items(self):
-        phase = "test" if self._trainer.state.phase == "test" else "train"
-        for name, metric in self._trainer.states["metrics"][phase].items():
-            value = metric.last_step_value()
+        testing = self._trainer.state.phase == "test"
+        for name, metric in self._trainer.states["metrics"]["test" if testing else "train"].items():
+            value = metric.running_value() if testing else metric.last_step_value()
             if value is not None:
                 yield name.lower(), value
 
