@@ -12,6 +12,7 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..checkpoint.io import CheckpointWriteError
 from ..core.dist import broadcast_object, is_rank_0, world_size
 from ._series import StepSeries, drain_series
 from .history import History
@@ -79,10 +80,11 @@ class Recorder(BaseHook):
         self.started = True  # (from here on a failing fit finishes the trackers, those that started included)
         error = self._start_trackers(run) if self._writes else None
         if world_size() > 1:  # rank 0's outcome, and what its trackers hold now (a run id), on every rank
-            failure, states = broadcast_object((None if error is None else f"{type(error).__name__}: {error}",
+            failure, states = broadcast_object((None if error is None else (type(error).__name__, str(error)),
                                                 [tracker.state_dict() for tracker in self.trackers]))
             if failure is not None and error is None:
-                raise RuntimeError(f"a tracker could not start: {failure} (reported by rank 0)")
+                kind = CheckpointWriteError if failure[0] == CheckpointWriteError.__name__ else RuntimeError
+                raise kind(f"a tracker could not start: {failure[0]}: {failure[1]} (reported by rank 0)")
             if not self._writes:
                 for tracker, state in zip(self.trackers, states):
                     tracker.load_state_dict(state)

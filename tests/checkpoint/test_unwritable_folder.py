@@ -145,7 +145,10 @@ def test_two_ranks_both_raise_the_same_error_on_a_read_only_file_system(tmp_path
         assert f"rank{r} last is step 2" in out, out
     assert lines[1] == lines[0].replace("rank0", "rank1", 1) + " (reported by rank 0)", out
     metrics = [next((line for line in out.splitlines() if line.startswith(f"rank{r} metrics")), "") for r in (0, 1)]
-    assert metrics[0].startswith("rank0 metrics OSError: [Errno 30] Read-only file system"), out
-    assert metrics[1] == (f"rank1 metrics RuntimeError: a tracker could not start: "
+    # the documented CheckpointWriteError on every rank, naming the file and the ways on (issue 29, item 7)
+    assert metrics[0].startswith(f"rank0 metrics CheckpointWriteError: the run's metrics file {ck / 'metrics.jsonl'} "
+                                 f"cannot be written (OSError: [Errno 30] Read-only file system"), out
+    assert "fit(log_dir=False) for no metrics file" in metrics[0], out
+    assert metrics[1] == (f"rank1 metrics CheckpointWriteError: a tracker could not start: "
                           f"{metrics[0][len('rank0 metrics '):]} (reported by rank 0)"), out
     assert "Connection closed" not in out and "Traceback" not in out, out

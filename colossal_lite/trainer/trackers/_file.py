@@ -4,10 +4,11 @@ from __future__ import annotations
 import csv
 import io
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from ...checkpoint.io import atomic_write_text
+from ...checkpoint.io import CheckpointWriteError, atomic_write_text
 from ...utils.metrics_file import METRICS_FILE_NAMES
 from ..history import FIELDS
 from ._base import RunInfo, Tracker, require_dir
@@ -48,28 +49,53 @@ class MetricsFile(Tracker):
 
     def start(self, run: RunInfo) -> None:
         folder = require_dir(self, self.log_dir, run, "log_dir")
-        folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / JSONL_NAME
-        earlier = run.history.records
-        atomic_write_text(self.path, _jsonl(earlier))
-        paths = [self.path]
-        if self.csv:
-            atomic_write_text(folder / CSV_NAME, _csv(earlier, header=True))
-            paths.append(folder / CSV_NAME)
-        self._files = [open(path, "a", encoding="utf-8") for path in paths]  # noqa: SIM115 - closed in finish
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            earlier = run.history.records
+            atomic_write_text(self.path, _jsonl(earlier))
+            paths = [self.path]
+            if self.csv:
+                atomic_write_text(folder / CSV_NAME, _csv(earlier, header=True))
+                paths.append(folder / CSV_NAME)
+            self._files = [open(path, "a", encoding="utf-8") for path in paths]  # noqa: SIM115 - closed in finish
+        except OSError as err:
+            raise CheckpointWriteError(
+                f"the run's metrics file {self.path} cannot be written ({type(err).__name__}: {err}). Fix: make "
+                f"{folder} writable (permissions, free space), give fit(log_dir=...) another folder, or "
+                f"fit(log_dir=False) for no metrics file") from err
 
     def log_metrics(self, metrics: Dict[str, float], step: int, epoch: int, time: float) -> None:
+        if not self._files:
+            return
         records = [{"step": step, "epoch": epoch, "name": name, "value": value, "time": time}
                    for name, value in metrics.items()]
         texts = [_jsonl(records)] + ([_csv(records, header=False)] if self.csv else [])
-        for handle, text in zip(self._files, texts):
-            handle.write(text)
-            handle.flush()
+        try:
+            for handle, text in zip(self._files, texts):
+                handle.write(text)
+                handle.flush()
+        except OSError as err:
+            self._stop_writing(step, err)
+
+    def _stop_writing(self, step: int, err: OSError) -> None:
+        """A write failed mid-run (disk full, quota, a lost mount): training and checkpoints go on without the
+        file. The history keeps every value and is in each checkpoint, so the next fit that resumes rewrites the
+        whole file."""
+        for handle in self._files:
+            try:
+                handle.close()
+            except OSError:
+                pass
+        self._files = []
+        warnings.warn(f"MetricsFile: writing {self.path} failed at step {step} ({type(err).__name__}: {err}); the "
+                      f"file stops there and training goes on. Every value is still in trainer.history and in the "
+                      f"checkpoints; a run resumed from one rewrites the file in full", stacklevel=2)
 
     def finish(self, status: str = "FINISHED") -> None:
-        for handle in self._files:
+        files, self._files = self._files, []
+        for handle in files:
             handle.close()
-        self._files = []
 
     def __repr__(self) -> str:
         return f"MetricsFile(log_dir={None if self.log_dir is None else str(self.log_dir)!r}, csv={self.csv})"
