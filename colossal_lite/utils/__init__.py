@@ -1,5 +1,11 @@
 """Legacy ``colossalai.utils`` helpers."""
-from .checkpointing import load_checkpoint, save_checkpoint
+from .checkpointing import (
+    get_checkpoint_path,
+    get_latest_checkpoint_path,
+    get_latest_checkpoint_pattern,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .common import (
                      barrier,
                      clip_grad_norm_fp32,
@@ -24,5 +30,5 @@ __all__ = [
     "is_dp_rank_0", "is_tp_rank_0", "is_no_pp_or_last_stage", "sync_model_param", "conditional_context",
     "clip_grad_norm_fp32", "barrier", "get_dataloader", "DataParallelSampler", "seed_worker", "report_memory_usage",
     "MultiTimer", "Timer", "save_checkpoint", "load_checkpoint", "ResumableDataLoader", "batches_per_epoch",
-    "skip_batches",
+    "skip_batches", "get_checkpoint_path", "get_latest_checkpoint_path", "get_latest_checkpoint_pattern",
 ]

@@ -4,6 +4,7 @@
 ``colossal_lite.checkpoint.model_state`` and stay importable from here."""
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -45,7 +46,30 @@ from ..core.dist import is_rank_0
 from ..core.global_context import global_context as gpc
 
 __all__ = ["load_model_state", "check_model_state", "save_checkpoint", "load_checkpoint", "load_scheduler_state",
-           "write_checkpoint_file", "owning_engine", "engine_resume_state"]
+           "write_checkpoint_file", "owning_engine", "engine_resume_state", "get_checkpoint_path",
+           "get_latest_checkpoint_path", "get_latest_checkpoint_pattern"]
+
+
+# -- legacy v0.1 file names --------------------------------------------------------------------------
+def get_checkpoint_path(checkpoint_dir, epoch, suffix: str = "") -> str:
+    """Legacy v0.1's name of epoch ``epoch``'s file: ``{checkpoint_dir}/epoch{epoch}-tp0-pp0{suffix}.pt`` (one
+    tensor- and pipeline-parallel rank: colossal_lite has neither). ``epoch='{epoch}'`` gives the template that
+    ``SaveCheckpointHook`` fills in at each save."""
+    return os.path.join(str(checkpoint_dir), f"epoch{epoch}-tp0-pp0{suffix}.pt")
+
+
+def get_latest_checkpoint_pattern(suffix: str = "") -> str:
+    """The regular expression of legacy v0.1's file names, its group the epoch."""
+    return rf"epoch(\d+)-tp0-pp0{re.escape(suffix)}\.pt$"
+
+
+def get_latest_checkpoint_path(checkpoint_dir, suffix: str = "") -> str:
+    """The legacy v0.1 file of the highest epoch in ``checkpoint_dir``; FileNotFoundError when there is none."""
+    pattern = re.compile(get_latest_checkpoint_pattern(suffix))
+    found = [(int(m.group(1)), name) for name in os.listdir(checkpoint_dir) if (m := pattern.match(name))]
+    if not found:
+        raise FileNotFoundError(f"no checkpoint file epoch<N>-tp0-pp0{suffix}.pt in {checkpoint_dir}")
+    return os.path.join(str(checkpoint_dir), max(found)[1])
 
 
 # -- legacy single-file checkpoints ----------------------------------------------------------------

@@ -37,7 +37,9 @@ class SaveCheckpointHook(BaseHook):
             or ``.pth`` is the legacy single file instead (as the legacy docs and examples pass it): rank 0
             rewrites it atomically at each interval in ``save_checkpoint``'s format (epoch, model, optimizer,
             the first ``LRSchedulerHook``'s scheduler), which ``load_checkpoint`` and ``LoadCheckpointHook``
-            read; it holds no run position, so ``fit(resume_from=...)`` needs a folder.
+            read; it holds no run position, so ``fit(resume_from=...)`` needs a folder. A ``{epoch}`` in the
+            file's name makes one file per save, as legacy v0.1 wrote them:
+            ``get_checkpoint_path('ckpt', '{epoch}')`` is ``ckpt/epoch{epoch}-tp0-pp0.pt``.
         model: kept for the legacy signature; the engine's model is always saved (without the DDP
             prefix). When given it must be the engine's model (wrapped or not).
         save_by_iter: count an int ``interval`` in optimizer steps instead of epochs.
@@ -164,11 +166,13 @@ class SaveCheckpointHook(BaseHook):
         It is named after the epoch its last optimizer step belongs to, as ``LoadCheckpointHook`` expects."""
         engine_state = trainer.engine.state_dict()
         scheduler = next((hook for hook in trainer.hooks if hook_entry(hook) == "lr_schedulers"), None)
+        epoch = name_epoch(trainer)
+        file = Path(str(self.file).replace("{epoch}", str(epoch)))
         if is_rank_0():
             own_state = {key: value for key, value in engine_state.items() if key not in ("model", "optimizer")}
-            write_checkpoint_file(self.file, name_epoch(trainer), engine_state["model"], engine_state["optimizer"],
+            write_checkpoint_file(file, epoch, engine_state["model"], engine_state["optimizer"],
                                   None if scheduler is None else scheduler.state_dict(), engine_state=own_state)
-        return self.file
+        return file
 
     def __repr__(self) -> str:
         return f"SaveCheckpointHook(interval={str(self.interval)!r}, checkpoint_dir={str(self.checkpoint_dir)!r})"
