@@ -38,7 +38,8 @@ def get_default_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", type=str, default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value (repeatable): dotted keys reach into dicts (fp16.mode=bf16, "
-                             "zero.stage=2), values are Python literals or else plain strings")
+                             "zero.stage=2), values are Python literals, true/false/none/null in any case, or else plain "
+                             "strings")
     return parser
 
 

@@ -18,7 +18,7 @@ from ..registry import GRADIENT_HANDLER
 from .config import Config, ConfigException
 from .defaults import BF16_OPTIONS, DEFAULTS, NAIVE_AMP_OPTIONS, TORCH_AMP_OPTIONS, ZERO_OPTIONS
 from .hints import amp_mode_meant, as_bool, as_choice, as_number, as_positive_int, as_positive_number, as_seconds, py
-from .overrides import apply_overrides
+from .overrides import OverriddenSource, apply_overrides, cli_spelling
 
 # Older Colossal-AI examples write zero = dict(level=2, cpu_offload=True, verbose=False): today's name of each
 # (None: the key has no effect and is dropped).
@@ -52,6 +52,20 @@ class _Checker:
     def fail(self, path, problem: str, fix: str):
         key = ".".join(path)
         raise ConfigException(f"{self.config._where(*path)}: config key '{key}': {problem}. Fix: {fix}")
+
+    def from_command_line(self, path) -> bool:
+        """Whether a ``--set`` override set the key at ``path``: its fix is then written as an override."""
+        source = self.config._source
+        return isinstance(source, OverriddenSource) and source.override_of(tuple(path)) is not None
+
+    def write(self, path, meant, stock, key=None) -> str:
+        """The fix for the key at ``path``: ``key`` (default ``path``) set to the value the user meant when it can be
+        told, else to a stock example; spelled as ``--set`` when an override set the key, as a config line otherwise."""
+        key = tuple(key or path)
+        value, lead = (meant, "write") if meant is not None else (stock, "write e.g.")
+        if self.from_command_line(path):
+            return f"{lead} " + " ".join(f"--set {k}={cli_spelling(v)}" for k, v in _dotted(key, value))
+        return f"{lead} {key[-1]}{' = ' if len(key) == 1 else '='}{py(value)}"
 
     # -- per-key checks ---------------------------------------------------------------------
     def fp16(self, value):
@@ -107,15 +121,15 @@ class _Checker:
             pass
         elif opt in ("growth_interval", "hysteresis"):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                self.fail(("fp16", opt), f"expected a positive int, got {v!r}", _write(opt, as_positive_int(v), options[opt], "="))
+                self.fail(("fp16", opt), f"expected a positive int, got {v!r}", self.write(("fp16", opt), as_positive_int(v), options[opt]))
         elif not _is_number(v) or v <= 0:
-            self.fail(("fp16", opt), f"expected a positive number, got {v!r}", _write(opt, as_positive_number(v), options[opt], "="))
+            self.fail(("fp16", opt), f"expected a positive number, got {v!r}", self.write(("fp16", opt), as_positive_number(v), options[opt]))
 
     def clip_grad_norm(self, value):
         if not _is_number(value) or value < 0:
             meant = as_number(value)
             self.fail(("clip_grad_norm",), f"expected a number >= 0 (the max global L2 norm; 0 turns clipping off), got {value!r}",
-                      _write("clip_grad_norm", meant if meant is not None and meant >= 0 else None, 1.0) +
+                      self.write(("clip_grad_norm",), meant if meant is not None and meant >= 0 else None, 1.0) +
                       ("" if meant is not None and meant >= 0 else " (0 turns clipping off)"))
 
     def gradient_accumulation(self, value):
@@ -126,11 +140,11 @@ class _Checker:
             if meant is None and value == 0:
                 meant = 1  # 0 micro-batches of accumulation: the user means none
             self.fail(("gradient_accumulation",), f"expected a positive int (micro-batches per optimizer step) or 'auto', "
-                      f"got {value!r}", _write("gradient_accumulation", meant, 4))
+                      f"got {value!r}", self.write(("gradient_accumulation",), meant, 4))
 
     def _bool_key(self, key, value):
         if not _is_bool(value):
-            self.fail((key,), f"expected True or False, got {value!r}", _write(key, as_bool(value), True))
+            self.fail((key,), f"expected True or False, got {value!r}", self.write((key,), as_bool(value), True))
 
     def cudnn_benchmark(self, value):
         self._bool_key("cudnn_benchmark", value)
@@ -193,7 +207,7 @@ class _Checker:
         if not isinstance(value, dict):
             stage = as_positive_int(value)
             self.fail(("zero",), f"expected a dict like dict(stage=2), got {type(value).__name__}",
-                      _write("zero", dict(stage=stage) if stage in (1, 2, 3) else None, dict(stage=2)))
+                      self.write(("zero",), dict(stage=stage) if stage in (1, 2, 3) else None, dict(stage=2)))
         if "model_config" in value or "optimizer_config" in value:
             self.fail(("zero",), "the legacy ShardedModelV2 form (model_config/optimizer_config) is not supported",
                       "write zero = dict(stage=1|2|3) to use torch's ZeroRedundancyOptimizer / FSDP2")
@@ -205,9 +219,10 @@ class _Checker:
             value = self._legacy_zero(value)
         if value.get("stage") not in (1, 2, 3):
             stage = as_positive_int(value.get("stage"))
-            meant = {**value, "stage": stage} if stage in (1, 2, 3) else None
-            self.fail(("zero", "stage"), f"expected 1, 2 or 3, got {value.get('stage')!r}",
-                      _write("zero", meant, {**value, "stage": 2}))
+            stage = stage if stage in (1, 2, 3) else None
+            fix = (self.write(("zero", "stage"), stage, 2) if self.from_command_line(("zero", "stage")) else
+                   self.write(("zero", "stage"), stage and {**value, "stage": stage}, {**value, "stage": 2}, key=("zero",)))
+            self.fail(("zero", "stage"), f"expected 1, 2 or 3, got {value.get('stage')!r}", fix)
 
     def _legacy_zero(self, value: dict) -> dict:
         """``zero = dict(level=..., cpu_offload=..., verbose=...)`` rewritten in today's names, in the config itself,
@@ -220,9 +235,10 @@ class _Checker:
             if k == "level" and (_is_bool(v) or v not in (1, 2, 3)):
                 level = as_positive_int(v)
                 self.fail(("zero", "level"), f"expected 1, 2 or 3 (the ZeRO stage), got {v!r}",
-                          _write("zero", dict(stage=level) if level in (1, 2, 3) else None, dict(stage=2)))
+                          self.write(("zero", "level"), dict(stage=level) if level in (1, 2, 3) else None, dict(stage=2),
+                                     key=("zero",)))
             if k in ("cpu_offload", "verbose") and not _is_bool(v):
-                self.fail(("zero", k), f"expected True or False, got {v!r}", _write(k, as_bool(v), False, "="))
+                self.fail(("zero", k), f"expected True or False, got {v!r}", self.write(("zero", k), as_bool(v), False))
             if new is not None and not (k == "cpu_offload" and v is False):  # False is offload_optimizer's default
                 mapped[new] = v
         self.config["zero"] = mapped
@@ -233,11 +249,11 @@ class _Checker:
 
     def dist_timeout(self, value):
         if not _is_number(value) or value <= 0:
-            self.fail(("dist_timeout",), f"expected seconds > 0, got {value!r}", _write("dist_timeout", as_seconds(value), DEFAULTS["dist_timeout"]))
+            self.fail(("dist_timeout",), f"expected seconds > 0, got {value!r}", self.write(("dist_timeout",), as_seconds(value), DEFAULTS["dist_timeout"]))
 
     def _positive_int(self, key, value):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            self.fail((key,), f"expected a positive int, got {value!r}", _write(key, as_positive_int(value), 32))
+            self.fail((key,), f"expected a positive int, got {value!r}", self.write((key,), as_positive_int(value), 32))
 
     def micro_batch_size(self, value):
         self._positive_int("micro_batch_size", value)
@@ -250,7 +266,7 @@ class _Checker:
         if value not in choices:
             meant = as_choice(value, choices, {"avg": "mean", "average": "mean", "token-mean": "per-token-mean"})
             self.fail(("grad_reduction",), f"expected 'mean', 'sum' or 'per-token-mean', got {value!r}",
-                      _write("grad_reduction", meant, DEFAULTS["grad_reduction"]))
+                      self.write(("grad_reduction",), meant, DEFAULTS["grad_reduction"]))
 
     def nonfinite_loss(self, value):
         choices = ("raise", "skip", "ignore")
@@ -258,7 +274,7 @@ class _Checker:
             meant = as_choice(value, choices, {"error": "raise", "fail": "raise", "stop": "raise", "skip-step": "skip",
                                                "none": "ignore", "off": "ignore"})
             self.fail(("nonfinite_loss",), f"expected 'raise', 'skip' or 'ignore' (what to do when a loss is inf or "
-                      f"NaN), got {value!r}", _write("nonfinite_loss", meant, DEFAULTS["nonfinite_loss"]))
+                      f"NaN), got {value!r}", self.write(("nonfinite_loss",), meant, DEFAULTS["nonfinite_loss"]))
 
     def compile(self, value):
         if _is_bool(value):
@@ -268,7 +284,7 @@ class _Checker:
             mode = as_choice(value, COMPILE_MODES)
             meant = dict(mode=mode) if mode else as_bool(value) if isinstance(value, int) else None
             self.fail(("compile",), f"expected True/False or a dict of torch.compile options, got {type(value).__name__}",
-                      _write("compile", meant, dict(mode="default")))
+                      self.write(("compile",), meant, dict(mode="default")))
         for k in value:
             if k not in allowed:
                 self.fail(("compile", k), "not an option of torch.compile",
@@ -281,11 +297,11 @@ class _Checker:
         return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _write(key: str, meant, stock, sep: str = " = ") -> str:
-    """The fix: the value the user meant when it can be told, else a stock example."""
-    if meant is not None:
-        return f"write {key}{sep}{py(meant)}"
-    return f"write e.g. {key}{sep}{py(stock)}"
+def _dotted(path, value):
+    """``(dotted key, value)`` for each leaf of ``value`` set at ``path``: a dict is set key by key on a command line."""
+    if isinstance(value, dict) and value:
+        return [item for k, v in value.items() for item in _dotted((*path, k), v)]
+    return [(".".join(path), value)]
 
 
 def _mode_of_options(options: dict) -> Optional[AMP_TYPE]:
