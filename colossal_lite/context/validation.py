@@ -18,6 +18,13 @@ from ..registry import GRADIENT_HANDLER
 from .config import Config, ConfigException
 from .defaults import BF16_OPTIONS, DEFAULTS, NAIVE_AMP_OPTIONS, TORCH_AMP_OPTIONS, ZERO_OPTIONS
 from .hints import amp_mode_meant, as_bool, as_choice, as_number, as_positive_int, as_positive_number, as_seconds, py
+from .option_types import (
+    check_compile_option,
+    check_ddp_option,
+    check_handler_options,
+    check_zero_options,
+    ddp_defaults,
+)
 from .overrides import OverriddenSource, apply_overrides, cli_spelling
 
 # Older Colossal-AI examples write zero = dict(level=2, cpu_offload=True, verbose=False): today's name of each
@@ -49,8 +56,9 @@ class _Checker:
     def __init__(self, config: Config):
         self.config = config
 
-    def fail(self, path, problem: str, fix: str):
-        key = ".".join(path)
+    def fail(self, path, problem: str, fix: str, key: Optional[str] = None):
+        """Raise the error of the key at ``path`` (``key``: its name in the message, default the dotted path)."""
+        key = key or ".".join(path)
         raise ConfigException(f"{self.config._where(*path)}: config key '{key}': {problem}. Fix: {fix}")
 
     def from_command_line(self, path) -> bool:
@@ -58,14 +66,21 @@ class _Checker:
         source = self.config._source
         return isinstance(source, OverriddenSource) and source.override_of(tuple(path)) is not None
 
-    def write(self, path, meant, stock, key=None) -> str:
+    def write(self, path, meant, stock, key=None, cli: Optional[bool] = None) -> str:
         """The fix for the key at ``path``: ``key`` (default ``path``) set to the value the user meant when it can be
-        told, else to a stock example; spelled as ``--set`` when an override set the key, as a config line otherwise."""
+        told, else to a stock example; spelled as ``--set`` when an override set the key (``cli``: decided by the
+        caller), as a config line otherwise."""
         key = tuple(key or path)
         value, lead = (meant, "write") if meant is not None else (stock, "write e.g.")
-        if self.from_command_line(path):
+        if self.from_command_line(path) if cli is None else cli:
             return f"{lead} " + " ".join(f"--set {k}={cli_spelling(v)}" for k, v in _dotted(key, value))
         return f"{lead} {key[-1]}{' = ' if len(key) == 1 else '='}{py(value)}"
+
+    def flag(self, path, value, none_ok: bool = False) -> None:
+        """The key at ``path`` is True or False (or None where ``none_ok``); a string like 'false' would be truthy."""
+        if not (_is_bool(value) or none_ok and value is None):
+            self.fail(path, f"expected True or False{' (or None)' if none_ok else ''}, got {value!r}",
+                      self.write(path, as_bool(value), True))
 
     # -- per-key checks ---------------------------------------------------------------------
     def fp16(self, value):
@@ -115,7 +130,8 @@ class _Checker:
         if opt in ("enabled", "dynamic_grad_scale", "verbose", "log_num_zeros_in_grad"):
             if not _is_bool(v):
                 meant = as_bool(v)
-                fix = f"write {opt}={meant}" if meant is not None else f"write {opt}=True or {opt}=False"
+                fix = (self.write(("fp16", opt), meant, True) if meant is not None or
+                       self.from_command_line(("fp16", opt)) else f"write {opt}=True or {opt}=False")
                 self.fail(("fp16", opt), f"expected True or False, got {v!r}", fix)
         elif opt in ("min_scale", "max_scale") and v is None:
             pass
@@ -142,36 +158,31 @@ class _Checker:
             self.fail(("gradient_accumulation",), f"expected a positive int (micro-batches per optimizer step) or 'auto', "
                       f"got {value!r}", self.write(("gradient_accumulation",), meant, 4))
 
-    def _bool_key(self, key, value):
-        if not _is_bool(value):
-            self.fail((key,), f"expected True or False, got {value!r}", self.write((key,), as_bool(value), True))
-
     def cudnn_benchmark(self, value):
-        self._bool_key("cudnn_benchmark", value)
+        self.flag(("cudnn_benchmark",), value)
 
     def cudnn_deterministic(self, value):
-        self._bool_key("cudnn_deterministic", value)
+        self.flag(("cudnn_deterministic",), value)
 
     def torch_ddp(self, value):
         if not isinstance(value, dict):
             self.fail(("torch_ddp",), f"expected a dict of DistributedDataParallel keyword arguments, got {type(value).__name__}",
                       "write e.g. torch_ddp = dict(find_unused_parameters=True)")
-        from torch.nn.parallel import DistributedDataParallel
-
-        params = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+        defaults = ddp_defaults()
         reserved = {"process_group", "device_ids", "output_device"}
-        for k in value:
+        for k, v in value.items():
             if k in reserved:
                 self.fail(("torch_ddp", k), "is set by colossal_lite from the launch (one device per process)", "remove it")
-            if k not in params:
+            if k not in defaults:
                 self.fail(("torch_ddp", k), "is not a keyword argument of torch DistributedDataParallel",
-                          f"remove it{self._suggest(k, params - reserved)}")
+                          f"remove it{self._suggest(k, set(defaults) - reserved)}")
+            check_ddp_option(self, k, v, defaults[k])
 
     def gradient_handler(self, value):
         if not isinstance(value, (list, tuple)):
             got = "a single dict" if isinstance(value, dict) else type(value).__name__
             self.fail(("gradient_handler",), f"expected a list of dicts, got {got}", _handler_fix([value]))
-        for item in value:
+        for index, item in enumerate(value):
             if not isinstance(item, dict) or "type" not in item:
                 self.fail(("gradient_handler",), f"each entry must be a dict with a 'type', got {item!r}", _handler_fix(value))
             known = registered_handlers()
@@ -189,6 +200,8 @@ class _Checker:
                 listed = ", ".join(["type", *sorted(accepted)])
                 self.fail(("gradient_handler",), f"unknown option(s) {sorted(extra)} for {item['type']}",
                           f"remove them{hints} (accepted: {listed})")
+            builtin = item["type"] in GRADIENT_HANDLERS
+            check_handler_options(self, index, item, None if builtin else GRADIENT_HANDLER.get_module(item["type"]))
 
     def parallel(self, value):
         if not isinstance(value, dict):
@@ -223,6 +236,7 @@ class _Checker:
             fix = (self.write(("zero", "stage"), stage, 2) if self.from_command_line(("zero", "stage")) else
                    self.write(("zero", "stage"), stage and {**value, "stage": stage}, {**value, "stage": 2}, key=("zero",)))
             self.fail(("zero", "stage"), f"expected 1, 2 or 3, got {value.get('stage')!r}", fix)
+        check_zero_options(self, value)
 
     def _legacy_zero(self, value: dict) -> dict:
         """``zero = dict(level=..., cpu_offload=..., verbose=...)`` rewritten in today's names, in the config itself,
@@ -285,10 +299,11 @@ class _Checker:
             meant = dict(mode=mode) if mode else as_bool(value) if isinstance(value, int) else None
             self.fail(("compile",), f"expected True/False or a dict of torch.compile options, got {type(value).__name__}",
                       self.write(("compile",), meant, dict(mode="default")))
-        for k in value:
+        for k, v in value.items():
             if k not in allowed:
                 self.fail(("compile", k), "not an option of torch.compile",
                           f"remove it{self._suggest(k, allowed)} (accepted: {', '.join(sorted(allowed))})")
+            check_compile_option(self, k, v)
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
