@@ -89,6 +89,7 @@ class _Checker:
         if not isinstance(value, dict):
             meant = None if isinstance(value, bool) else amp_mode_meant(value)
             fix = ("write fp16 = None (fp32) or remove the key" if value is False else
+                   _cli_mode_fix(meant) if self.from_command_line(("fp16",)) else
                    f"write fp16 = dict(mode={meant or 'AMP_TYPE.TORCH'})" + ("" if meant else " (or BF16, NAIVE, None)"))
             self.fail(("fp16",), f"expected a dict like dict(mode=AMP_TYPE.TORCH), got {type(value).__name__}", fix)
         if "mode" not in value:
@@ -96,10 +97,13 @@ class _Checker:
             fix = (f"write fp16 = {py({'mode': mode, **value})}" if mode and value else
                    "add mode=AMP_TYPE.TORCH, AMP_TYPE.BF16, AMP_TYPE.NAIVE or None")
             self.fail(("fp16",), "missing 'mode'", fix)
-        mode = normalize_amp_mode(value["mode"], lambda problem, fix: self.fail(("fp16", "mode"), problem, fix))
+        cli = self.from_command_line(("fp16", "mode"))
+        mode = normalize_amp_mode(value["mode"], lambda problem, fix: self.fail(
+            ("fp16", "mode"), problem, _cli_mode_fix(amp_mode_meant(value["mode"])) if cli else fix))
         if mode is AMP_TYPE.APEX:
             self.fail(("fp16", "mode"), "AMP_TYPE.APEX needs NVIDIA apex, which colossal_lite does not support",
-                      _apex_fix(value.get("opt_level")))
+                      "write --set fp16.mode=torch (torch autocast + GradScaler, the same O1 behaviour) or "
+                      "--set fp16.mode=naive (O3-like)" if cli else _apex_fix(value.get("opt_level")))
         options = {None: {}, AMP_TYPE.TORCH: TORCH_AMP_OPTIONS, AMP_TYPE.NAIVE: NAIVE_AMP_OPTIONS,
                    AMP_TYPE.BF16: BF16_OPTIONS}[mode]
         for opt, v in value.items():
@@ -324,6 +328,17 @@ def _mode_of_options(options: dict) -> Optional[AMP_TYPE]:
     fits = [m for m, opts in ((AMP_TYPE.TORCH, TORCH_AMP_OPTIONS), (AMP_TYPE.NAIVE, NAIVE_AMP_OPTIONS))
             if set(options) <= set(opts)]
     return fits[0] if len(fits) == 1 else None
+
+
+def _cli_mode_fix(meant: Optional[str]) -> str:
+    """The fix of a precision mode given with ``--set``, where the config file's names (``AMP_TYPE.BF16``) are not
+    known and a mode is written by its value (``fp16.mode=bf16``); ``meant`` as ``amp_mode_meant`` gives it."""
+    if meant is None:
+        return ("write --set fp16.mode=torch, --set fp16.mode=bf16, --set fp16.mode=naive or --set fp16=None "
+                "(AMP_TYPE names are not known on the command line)")
+    if meant == "None":
+        return "write --set fp16=None (fp32)"
+    return f"write --set fp16.mode={cli_spelling(AMP_TYPE[meant.split('.')[-1]])}"
 
 
 def _apex_fix(opt_level) -> str:
