@@ -230,7 +230,7 @@ class _Checker:
                       "write zero = dict(stage=1|2|3) to use torch's ZeroRedundancyOptimizer / FSDP2")
         for k in value:
             if k not in ZERO_OPTIONS and k not in LEGACY_ZERO_KEYS:
-                self.fail(("zero", k), "not an option of zero", f"remove it{self._suggest(k, [*ZERO_OPTIONS, *LEGACY_ZERO_KEYS])} "
+                self.fail(("zero", k), "not an option of zero", f"remove it{_zero_suggestion(k)} "
                           f"(accepted: {', '.join(ZERO_OPTIONS)})")
         if any(k in value for k in LEGACY_ZERO_KEYS):
             value = self._legacy_zero(value)
@@ -328,6 +328,14 @@ def _mode_of_options(options: dict) -> Optional[AMP_TYPE]:
     fits = [m for m, opts in ((AMP_TYPE.TORCH, TORCH_AMP_OPTIONS), (AMP_TYPE.NAIVE, NAIVE_AMP_OPTIONS))
             if set(options) <= set(opts)]
     return fits[0] if len(fits) == 1 else None
+
+
+def _zero_suggestion(name: str) -> str:
+    """The ``zero`` option a misspelt ``name`` meant, by today's name: a name close to a legacy key (``offload`` is
+    close to ``cpu_offload``) means that key's successor (``offload_optimizer``), which is what a fix should teach."""
+    close = difflib.get_close_matches(name, [*ZERO_OPTIONS, *LEGACY_ZERO_KEYS], n=1, cutoff=0.6)
+    meant = LEGACY_ZERO_KEYS.get(close[0], close[0]) if close else None
+    return f" (did you mean '{meant}'?)" if meant else ""
 
 
 def _cli_mode_fix(meant: Optional[str]) -> str:
