@@ -18,7 +18,7 @@ from ..amp.precision import FP32Precision
 from ..logging import get_dist_logger
 from .accumulation import AccumulationWindow, MicroBatch
 from .loss_guard import build_loss_guard
-from .reduction import build_reduction
+from .reduction import build_reduction, not_a_loss
 from .schedule import NonPipelineSchedule
 from .strategy import DDPStrategy, HandlerStrategy, SingleProcess
 
@@ -193,6 +193,8 @@ class Engine:
         counted). ``num_tokens``: its real-token count with ``grad_reduction='per-token-mean'`` (None: the
         count the criterion reported).
         """
+        if not isinstance(loss, torch.Tensor):  # a type check, no device read
+            raise not_a_loss(loss, self._criterion, self.reduction.name)
         where = self.enter_micro_batch(where)
         self.loss_guard.watch(loss)
         self.precision.backward(loss, self.reduction.loss_weight(loss, where, num_tokens))
