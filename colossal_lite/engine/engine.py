@@ -151,10 +151,18 @@ class Engine:
 
     def run_model(self, *args, **kwargs):
         """The model's forward under autocast, outside the accumulation plan (no gradient-sync decision)."""
-        if self._compile_pending:
-            return self._first_compiled_call(*args, **kwargs)
-        with self.precision.autocast():
-            return self._model(*args, **kwargs)
+        try:  # (a try costs nothing until something is raised)
+            if self._compile_pending:
+                return self._first_compiled_call(*args, **kwargs)
+            with self.precision.autocast():
+                return self._model(*args, **kwargs)
+        except RuntimeError as error:
+            # data parallelism raises its own errors here (DDP's unused parameters): the strategy says them in the
+            # config's words, on the rank where they happen
+            explained = self.strategy.explain(self._model, error)
+            if explained is None:
+                raise
+            raise explained from error
 
     def _first_compiled_call(self, *args, **kwargs):
         start = time.perf_counter()
