@@ -10,6 +10,7 @@ import os
 import signal
 import time
 import uuid
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -38,7 +39,8 @@ def get_default_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", type=str, default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value (repeatable): dotted keys reach into dicts (fp16.mode=bf16, "
-                             "zero.stage=2), values are Python literals or else plain strings")
+                             "zero.stage=2), values are Python literals, true/false/none/null in any case, or else plain "
+                             "strings")
     return parser
 
 
@@ -51,27 +53,28 @@ def _init_method(host: str, port: int) -> str:
 
 def launch(config, rank: int, world_size: int, host: str, port: int, backend: Optional[str] = None,
            local_rank: Optional[int] = None, seed: int = 1024, verbose: bool = True, timeout: Optional[float] = None,
-           overrides: Optional[Sequence[str]] = None):
+           overrides: Optional[Sequence[str]] = None, device: Optional[str] = None):
     """Start ``world_size`` processes' group at ``host:port`` as ``rank``; returns ``gpc``.
 
-    ``backend=None`` picks nccl with CUDA, gloo otherwise. ``timeout`` (seconds; default the
-    config's ``dist_timeout`` or 300) bounds the wait for missing peers. ``overrides`` (``KEY=VALUE``
-    strings, as ``--set`` gives them) are applied to the config before it is checked.
+    ``device``: ``'cpu'`` trains on the CPU even where CUDA is available, ``'cuda'`` insists on a GPU, None
+    picks the GPU of the local rank when CUDA is available, else the CPU. ``backend=None`` picks nccl on a
+    GPU, gloo on the CPU. ``timeout`` (seconds; default the config's ``dist_timeout`` or 300) bounds the
+    wait for missing peers. ``overrides`` (``KEY=VALUE`` strings, as ``--set`` gives them) are applied to
+    the config before it is checked.
     """
     cfg = load_config(config, overrides)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size): got rank={rank}, world_size={world_size}")
     resolve_batch_sizes(cfg, world_size)  # before any process group starts
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("backend='nccl' needs CUDA GPUs, but torch.cuda.is_available() is False; use backend='gloo' on CPU")
+    on_gpu = _wants_gpu(device)
+    backend = _backend_for(backend, on_gpu, world_size)
     timeout = float(timeout if timeout is not None else cfg.get("dist_timeout", DEFAULT_TIMEOUT_S))
     gpc._config = cfg
     gpc.verbose = verbose
     gpc._local_rank = local_rank if local_rank is not None else rank
-    if local_rank is None and torch.cuda.is_available():
+    if local_rank is None and on_gpu:
         gpc._local_rank = rank % torch.cuda.device_count()
-    device = gpc.set_device(gpc._local_rank)
+    device = gpc.set_device(gpc._local_rank) if on_gpu else gpc.use_cpu()
 
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
@@ -86,6 +89,37 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
             f"Distributed environment is initialized: world size {world_size}, data parallel size {world_size}, "
             f"backend {backend}, device {device}, seed {seed}", ranks=[0])
     return gpc
+
+
+def _wants_gpu(device) -> bool:
+    """Whether ``launch(device=...)`` puts this process on a GPU: 'cpu', 'cuda' or None (a GPU when there is one)."""
+    kind = device.type if isinstance(device, torch.device) and device.index is None else device
+    if kind not in (None, "cpu", "cuda"):
+        raise ValueError(f"launch(device={device!r}): expected 'cpu', 'cuda' or None (the GPU of the local rank when "
+                         f"CUDA is available, else the CPU). Each process takes the GPU of its local rank; to choose "
+                         f"the GPUs, set CUDA_VISIBLE_DEVICES")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("launch(device='cuda'): torch.cuda.is_available() is False (no GPU, or a CPU build of "
+                           "torch: `colossal-lite info` shows which). Fix: launch(..., device='cpu') or device=None")
+    return kind == "cuda" or kind is None and torch.cuda.is_available()
+
+
+def _backend_for(backend: Optional[str], on_gpu: bool, world_size: int) -> str:
+    """The process group's backend: nccl on a GPU, gloo on the CPU, or the one asked for where it can work."""
+    if backend is None:
+        return "nccl" if on_gpu else "gloo"
+    if backend != "nccl" or on_gpu:
+        return backend
+    where = "launch(device='cpu')" if torch.cuda.is_available() else "torch.cuda.is_available() is False"
+    if world_size == 1:
+        # one process exchanges nothing, so scripts that pass nccl by default (pytorch/examples' --dist-backend)
+        # still run on a CPU machine
+        warnings.warn(f"backend='nccl' needs GPUs, but this process trains on the CPU ({where}); with one process "
+                      f"the backend carries nothing, so gloo is used instead. Pass backend='gloo' (or None) to "
+                      f"silence this", UserWarning, stacklevel=3)
+        return "gloo"
+    raise RuntimeError(f"backend='nccl' needs GPUs, but the processes train on the CPU ({where}). Fix: "
+                       f"backend='gloo' (or backend=None, which picks gloo on the CPU)")
 
 
 def _start_group(backend: str, rank: int, world_size: int, host, port, timeout: float, device) -> None:
@@ -169,10 +203,12 @@ def _welcome_every_rank(store: dist.Store, name: str, world_size: int, deadline:
 
 
 def launch_from_torch(config, backend: Optional[str] = None, seed: int = 1024, verbose: bool = True,
-                      timeout: Optional[float] = None, overrides: Optional[Sequence[str]] = None):
+                      timeout: Optional[float] = None, overrides: Optional[Sequence[str]] = None,
+                      device: Optional[str] = None):
     """Launch from the variables ``torch.distributed.run`` sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT).
 
-    Run as a plain ``python script.py`` (no such variables) it launches a single process.
+    Run as a plain ``python script.py`` (no such variables) it launches a single process. ``device='cpu'`` trains
+    on the CPU on a machine with GPUs (see ``launch``).
     """
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     # MASTER_ADDR/MASTER_PORT alone (often exported cluster-wide) do not make this a torchrun process
@@ -183,7 +219,7 @@ def launch_from_torch(config, backend: Optional[str] = None, seed: int = 1024, v
                                    "Use `python -m torch.distributed.run --nproc_per_node N script.py` for N processes.",
                                    ranks=[0])
         return launch(config, rank=0, world_size=1, host=None, port=None, backend=backend, local_rank=0,
-                      seed=seed, verbose=verbose, timeout=timeout)
+                      seed=seed, verbose=verbose, timeout=timeout, device=device)
     missing = [n for n in names if n not in os.environ]
     if missing:
         raise RuntimeError(f"launch_from_torch: the torchrun environment is incomplete, missing {', '.join(missing)}. "
@@ -191,7 +227,7 @@ def launch_from_torch(config, backend: Optional[str] = None, seed: int = 1024, v
     return launch(config, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                   host=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), backend=backend,
                   local_rank=int(os.environ["LOCAL_RANK"]), seed=seed, verbose=verbose, timeout=timeout,
-                  overrides=overrides)
+                  overrides=overrides, device=device)
 
 
 def under_torchrun() -> bool:
@@ -220,7 +256,7 @@ def preemption_exit_note(signum: int, status: int) -> str:
 
 
 def _launch_from_env(kind: str, config, host, port, rank_var, size_var, local_var, backend, seed, verbose, timeout,
-                     overrides):
+                     overrides, device):
     try:
         rank, world_size = int(os.environ[rank_var]), int(os.environ[size_var])
     except KeyError as e:
@@ -228,22 +264,24 @@ def _launch_from_env(kind: str, config, host, port, rank_var, size_var, local_va
                            f"or use launch_from_torch with torchrun") from None
     local_rank = int(os.environ[local_var]) if local_var and local_var in os.environ else None
     return launch(config, rank=rank, world_size=world_size, host=host, port=port, backend=backend,
-                  local_rank=local_rank, seed=seed, verbose=verbose, timeout=timeout, overrides=overrides)
+                  local_rank=local_rank, seed=seed, verbose=verbose, timeout=timeout, overrides=overrides,
+                  device=device)
 
 
 def launch_from_slurm(config, host: str, port: int, backend: Optional[str] = None, seed: int = 1024,
-                      verbose: bool = True, timeout: Optional[float] = None, overrides: Optional[Sequence[str]] = None):
+                      verbose: bool = True, timeout: Optional[float] = None, overrides: Optional[Sequence[str]] = None,
+                      device: Optional[str] = None):
     """Launch from SLURM's SLURM_PROCID / SLURM_NPROCS (and SLURM_LOCALID when set)."""
     return _launch_from_env("SLURM", config, host, port, "SLURM_PROCID", "SLURM_NPROCS", "SLURM_LOCALID",
-                            backend, seed, verbose, timeout, overrides)
+                            backend, seed, verbose, timeout, overrides, device)
 
 
 def launch_from_openmpi(config, host: str, port: int, backend: Optional[str] = None, seed: int = 1024,
                         verbose: bool = True, timeout: Optional[float] = None,
-                        overrides: Optional[Sequence[str]] = None):
+                        overrides: Optional[Sequence[str]] = None, device: Optional[str] = None):
     """Launch from OpenMPI's OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK."""
     return _launch_from_env("OpenMPI", config, host, port, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                            "OMPI_COMM_WORLD_LOCAL_RANK", backend, seed, verbose, timeout, overrides)
+                            "OMPI_COMM_WORLD_LOCAL_RANK", backend, seed, verbose, timeout, overrides, device)
 
 
 __all__ = ["launch", "launch_from_torch", "launch_from_slurm", "launch_from_openmpi", "get_default_parser",

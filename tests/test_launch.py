@@ -170,11 +170,11 @@ def test_dist_timeout_from_the_config_is_used():
     assert time.monotonic() - start < 30
 
 
-def test_nccl_without_cuda_is_a_clear_error():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA is available")
+def test_nccl_for_several_processes_on_the_cpu_is_a_clear_error():
+    # (one process on the CPU is accepted with a warning: tests/test_launch_device.py)
     with pytest.raises(RuntimeError, match="backend='gloo'"):
-        launch({}, rank=0, world_size=1, host=None, port=None, backend="nccl", verbose=False)
+        launch({}, rank=0, world_size=2, host="127.0.0.1", port=free_port(), backend="nccl", verbose=False,
+               device="cpu")
     assert not dist.is_initialized()
 
 

@@ -122,6 +122,7 @@ def amp_mode_meant(value: Any) -> Optional[str]:
     if isinstance(value, bool):
         return None
     word = str(value).strip().lower()
+    word = word[len("amp_type."):] if word.startswith("amp_type.") else word  # the enum's name written as a string
     if word in _MODE_WORDS:
         return _MODE_WORDS[word]
     for mode in AMP_TYPE:

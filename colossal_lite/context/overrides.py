@@ -1,13 +1,14 @@
 """``--set KEY=VALUE``: config values given on the command line, applied to a loaded config before it is checked.
 
 A dotted key reaches into dicts (``fp16.mode=bf16``, ``zero.stage=2``); a value is read as a Python literal
-(``64``, ``1e-3``, ``True``, ``None``, ``[1, 2]``) and otherwise kept as the plain string, so ``bf16`` needs no
-quotes. Each value set remembers the override that set it, so a check that refuses it names the override as a
+(``64``, ``1e-3``, ``True``, ``None``, ``[1, 2]``), ``true``/``false``/``none``/``null`` in any case as in YAML,
+and otherwise kept as the plain string, so ``bf16`` needs no quotes. Each value set remembers the override that set it, so a check that refuses it names the override as a
 config file's error names the line.
 """
 from __future__ import annotations
 
 import ast
+import enum
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from .config import Config, ConfigException
@@ -30,12 +31,31 @@ def parse_override(text: str) -> Tuple[KeyPath, Any]:
     return parts, _literal(raw.strip())
 
 
+# Command-line users write YAML's and Hydra's spellings; kept as strings, 'false' would be truthy and switch on
+# what it names. A quoted 'false' stays the string.
+_WORDS = {"true": True, "false": False, "none": None, "null": None}
+
+
 def _literal(raw: str) -> Any:
-    """A Python literal when ``raw`` is one (numbers, True/False/None, quoted strings, lists, dicts), else ``raw``."""
+    """A Python literal when ``raw`` is one (numbers, True/False/None, quoted strings, lists, dicts), a word of
+    ``_WORDS`` in any case, else ``raw``."""
+    word = raw.lower()
+    if word in _WORDS:
+        return _WORDS[word]
     try:
         return ast.literal_eval(raw)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return raw
+
+
+def cli_spelling(value: Any) -> str:
+    """How to write ``value`` after ``--set KEY=`` so that it reads back as ``value``: a plain string bare when it
+    would not read as something else, an enum member by its value (``AMP_TYPE.BF16`` -> ``bf16``), else ``repr``."""
+    if isinstance(value, enum.Enum):
+        return cli_spelling(value.value)
+    if isinstance(value, str) and value == value.strip() and _literal(value) == value:
+        return value
+    return repr(value)
 
 
 def apply_overrides(config: Config, overrides: Optional[Iterable[str]]) -> Config:
@@ -84,13 +104,20 @@ class OverriddenSource:
         self.original = original  # the config before the overrides, which knows its own keys' places
         self.origins = origins
 
-    def where(self, path: KeyPath) -> str:
-        """``--set TEXT`` for a key an override set (or one inside it); for a key that holds overridden keys, the
-        config's own place followed by those overrides, or the overrides alone when they made the key."""
+    def override_of(self, path: KeyPath) -> Optional[str]:
+        """The override that set the key at ``path`` (or a dict holding it), or None when the config did."""
         for n in range(len(path), 0, -1):
             text = self.origins.get(tuple(path[:n]))
             if text is not None:
-                return f"--set {text}"
+                return text
+        return None
+
+    def where(self, path: KeyPath) -> str:
+        """``--set TEXT`` for a key an override set (or one inside it); for a key that holds overridden keys, the
+        config's own place followed by those overrides, or the overrides alone when they made the key."""
+        text = self.override_of(path)
+        if text is not None:
+            return f"--set {text}"
         inside: List[str] = [f"--set {t}" for p, t in self.origins.items() if path and p[:len(path)] == tuple(path)]
         if not inside:
             return self.original._where(*path)
@@ -109,4 +136,4 @@ def _holds(config: dict, path: KeyPath) -> bool:
     return True
 
 
-__all__ = ["parse_override", "apply_overrides", "OverriddenSource"]
+__all__ = ["parse_override", "apply_overrides", "cli_spelling", "OverriddenSource"]

@@ -18,7 +18,14 @@ from ..registry import GRADIENT_HANDLER
 from .config import Config, ConfigException
 from .defaults import BF16_OPTIONS, DEFAULTS, NAIVE_AMP_OPTIONS, TORCH_AMP_OPTIONS, ZERO_OPTIONS
 from .hints import amp_mode_meant, as_bool, as_choice, as_number, as_positive_int, as_positive_number, as_seconds, py
-from .overrides import apply_overrides
+from .option_types import (
+    check_compile_option,
+    check_ddp_option,
+    check_handler_options,
+    check_zero_options,
+    ddp_defaults,
+)
+from .overrides import OverriddenSource, apply_overrides, cli_spelling
 
 # Older Colossal-AI examples write zero = dict(level=2, cpu_offload=True, verbose=False): today's name of each
 # (None: the key has no effect and is dropped).
@@ -49,9 +56,31 @@ class _Checker:
     def __init__(self, config: Config):
         self.config = config
 
-    def fail(self, path, problem: str, fix: str):
-        key = ".".join(path)
+    def fail(self, path, problem: str, fix: str, key: Optional[str] = None):
+        """Raise the error of the key at ``path`` (``key``: its name in the message, default the dotted path)."""
+        key = key or ".".join(path)
         raise ConfigException(f"{self.config._where(*path)}: config key '{key}': {problem}. Fix: {fix}")
+
+    def from_command_line(self, path) -> bool:
+        """Whether a ``--set`` override set the key at ``path``: its fix is then written as an override."""
+        source = self.config._source
+        return isinstance(source, OverriddenSource) and source.override_of(tuple(path)) is not None
+
+    def write(self, path, meant, stock, key=None, cli: Optional[bool] = None) -> str:
+        """The fix for the key at ``path``: ``key`` (default ``path``) set to the value the user meant when it can be
+        told, else to a stock example; spelled as ``--set`` when an override set the key (``cli``: decided by the
+        caller), as a config line otherwise."""
+        key = tuple(key or path)
+        value, lead = (meant, "write") if meant is not None else (stock, "write e.g.")
+        if self.from_command_line(path) if cli is None else cli:
+            return f"{lead} " + " ".join(f"--set {k}={cli_spelling(v)}" for k, v in _dotted(key, value))
+        return f"{lead} {key[-1]}{' = ' if len(key) == 1 else '='}{py(value)}"
+
+    def flag(self, path, value, none_ok: bool = False) -> None:
+        """The key at ``path`` is True or False (or None where ``none_ok``); a string like 'false' would be truthy."""
+        if not (_is_bool(value) or none_ok and value is None):
+            self.fail(path, f"expected True or False{' (or None)' if none_ok else ''}, got {value!r}",
+                      self.write(path, as_bool(value), True))
 
     # -- per-key checks ---------------------------------------------------------------------
     def fp16(self, value):
@@ -60,6 +89,7 @@ class _Checker:
         if not isinstance(value, dict):
             meant = None if isinstance(value, bool) else amp_mode_meant(value)
             fix = ("write fp16 = None (fp32) or remove the key" if value is False else
+                   _cli_mode_fix(meant) if self.from_command_line(("fp16",)) else
                    f"write fp16 = dict(mode={meant or 'AMP_TYPE.TORCH'})" + ("" if meant else " (or BF16, NAIVE, None)"))
             self.fail(("fp16",), f"expected a dict like dict(mode=AMP_TYPE.TORCH), got {type(value).__name__}", fix)
         if "mode" not in value:
@@ -67,10 +97,13 @@ class _Checker:
             fix = (f"write fp16 = {py({'mode': mode, **value})}" if mode and value else
                    "add mode=AMP_TYPE.TORCH, AMP_TYPE.BF16, AMP_TYPE.NAIVE or None")
             self.fail(("fp16",), "missing 'mode'", fix)
-        mode = normalize_amp_mode(value["mode"], lambda problem, fix: self.fail(("fp16", "mode"), problem, fix))
+        cli = self.from_command_line(("fp16", "mode"))
+        mode = normalize_amp_mode(value["mode"], lambda problem, fix: self.fail(
+            ("fp16", "mode"), problem, _cli_mode_fix(amp_mode_meant(value["mode"])) if cli else fix))
         if mode is AMP_TYPE.APEX:
             self.fail(("fp16", "mode"), "AMP_TYPE.APEX needs NVIDIA apex, which colossal_lite does not support",
-                      _apex_fix(value.get("opt_level")))
+                      "write --set fp16.mode=torch (torch autocast + GradScaler, the same O1 behaviour) or "
+                      "--set fp16.mode=naive (O3-like)" if cli else _apex_fix(value.get("opt_level")))
         options = {None: {}, AMP_TYPE.TORCH: TORCH_AMP_OPTIONS, AMP_TYPE.NAIVE: NAIVE_AMP_OPTIONS,
                    AMP_TYPE.BF16: BF16_OPTIONS}[mode]
         for opt, v in value.items():
@@ -101,21 +134,22 @@ class _Checker:
         if opt in ("enabled", "dynamic_grad_scale", "verbose", "log_num_zeros_in_grad"):
             if not _is_bool(v):
                 meant = as_bool(v)
-                fix = f"write {opt}={meant}" if meant is not None else f"write {opt}=True or {opt}=False"
+                fix = (self.write(("fp16", opt), meant, True) if meant is not None or
+                       self.from_command_line(("fp16", opt)) else f"write {opt}=True or {opt}=False")
                 self.fail(("fp16", opt), f"expected True or False, got {v!r}", fix)
         elif opt in ("min_scale", "max_scale") and v is None:
             pass
         elif opt in ("growth_interval", "hysteresis"):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                self.fail(("fp16", opt), f"expected a positive int, got {v!r}", _write(opt, as_positive_int(v), options[opt], "="))
+                self.fail(("fp16", opt), f"expected a positive int, got {v!r}", self.write(("fp16", opt), as_positive_int(v), options[opt]))
         elif not _is_number(v) or v <= 0:
-            self.fail(("fp16", opt), f"expected a positive number, got {v!r}", _write(opt, as_positive_number(v), options[opt], "="))
+            self.fail(("fp16", opt), f"expected a positive number, got {v!r}", self.write(("fp16", opt), as_positive_number(v), options[opt]))
 
     def clip_grad_norm(self, value):
         if not _is_number(value) or value < 0:
             meant = as_number(value)
             self.fail(("clip_grad_norm",), f"expected a number >= 0 (the max global L2 norm; 0 turns clipping off), got {value!r}",
-                      _write("clip_grad_norm", meant if meant is not None and meant >= 0 else None, 1.0) +
+                      self.write(("clip_grad_norm",), meant if meant is not None and meant >= 0 else None, 1.0) +
                       ("" if meant is not None and meant >= 0 else " (0 turns clipping off)"))
 
     def gradient_accumulation(self, value):
@@ -126,38 +160,33 @@ class _Checker:
             if meant is None and value == 0:
                 meant = 1  # 0 micro-batches of accumulation: the user means none
             self.fail(("gradient_accumulation",), f"expected a positive int (micro-batches per optimizer step) or 'auto', "
-                      f"got {value!r}", _write("gradient_accumulation", meant, 4))
-
-    def _bool_key(self, key, value):
-        if not _is_bool(value):
-            self.fail((key,), f"expected True or False, got {value!r}", _write(key, as_bool(value), True))
+                      f"got {value!r}", self.write(("gradient_accumulation",), meant, 4))
 
     def cudnn_benchmark(self, value):
-        self._bool_key("cudnn_benchmark", value)
+        self.flag(("cudnn_benchmark",), value)
 
     def cudnn_deterministic(self, value):
-        self._bool_key("cudnn_deterministic", value)
+        self.flag(("cudnn_deterministic",), value)
 
     def torch_ddp(self, value):
         if not isinstance(value, dict):
             self.fail(("torch_ddp",), f"expected a dict of DistributedDataParallel keyword arguments, got {type(value).__name__}",
                       "write e.g. torch_ddp = dict(find_unused_parameters=True)")
-        from torch.nn.parallel import DistributedDataParallel
-
-        params = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+        defaults = ddp_defaults()
         reserved = {"process_group", "device_ids", "output_device"}
-        for k in value:
+        for k, v in value.items():
             if k in reserved:
                 self.fail(("torch_ddp", k), "is set by colossal_lite from the launch (one device per process)", "remove it")
-            if k not in params:
+            if k not in defaults:
                 self.fail(("torch_ddp", k), "is not a keyword argument of torch DistributedDataParallel",
-                          f"remove it{self._suggest(k, params - reserved)}")
+                          f"remove it{self._suggest(k, set(defaults) - reserved)}")
+            check_ddp_option(self, k, v, defaults[k])
 
     def gradient_handler(self, value):
         if not isinstance(value, (list, tuple)):
             got = "a single dict" if isinstance(value, dict) else type(value).__name__
             self.fail(("gradient_handler",), f"expected a list of dicts, got {got}", _handler_fix([value]))
-        for item in value:
+        for index, item in enumerate(value):
             if not isinstance(item, dict) or "type" not in item:
                 self.fail(("gradient_handler",), f"each entry must be a dict with a 'type', got {item!r}", _handler_fix(value))
             known = registered_handlers()
@@ -175,6 +204,8 @@ class _Checker:
                 listed = ", ".join(["type", *sorted(accepted)])
                 self.fail(("gradient_handler",), f"unknown option(s) {sorted(extra)} for {item['type']}",
                           f"remove them{hints} (accepted: {listed})")
+            builtin = item["type"] in GRADIENT_HANDLERS
+            check_handler_options(self, index, item, None if builtin else GRADIENT_HANDLER.get_module(item["type"]))
 
     def parallel(self, value):
         if not isinstance(value, dict):
@@ -193,21 +224,23 @@ class _Checker:
         if not isinstance(value, dict):
             stage = as_positive_int(value)
             self.fail(("zero",), f"expected a dict like dict(stage=2), got {type(value).__name__}",
-                      _write("zero", dict(stage=stage) if stage in (1, 2, 3) else None, dict(stage=2)))
+                      self.write(("zero",), dict(stage=stage) if stage in (1, 2, 3) else None, dict(stage=2)))
         if "model_config" in value or "optimizer_config" in value:
             self.fail(("zero",), "the legacy ShardedModelV2 form (model_config/optimizer_config) is not supported",
                       "write zero = dict(stage=1|2|3) to use torch's ZeroRedundancyOptimizer / FSDP2")
         for k in value:
             if k not in ZERO_OPTIONS and k not in LEGACY_ZERO_KEYS:
-                self.fail(("zero", k), "not an option of zero", f"remove it{self._suggest(k, [*ZERO_OPTIONS, *LEGACY_ZERO_KEYS])} "
+                self.fail(("zero", k), "not an option of zero", f"remove it{_zero_suggestion(k)} "
                           f"(accepted: {', '.join(ZERO_OPTIONS)})")
         if any(k in value for k in LEGACY_ZERO_KEYS):
             value = self._legacy_zero(value)
         if value.get("stage") not in (1, 2, 3):
             stage = as_positive_int(value.get("stage"))
-            meant = {**value, "stage": stage} if stage in (1, 2, 3) else None
-            self.fail(("zero", "stage"), f"expected 1, 2 or 3, got {value.get('stage')!r}",
-                      _write("zero", meant, {**value, "stage": 2}))
+            stage = stage if stage in (1, 2, 3) else None
+            fix = (self.write(("zero", "stage"), stage, 2) if self.from_command_line(("zero", "stage")) else
+                   self.write(("zero", "stage"), stage and {**value, "stage": stage}, {**value, "stage": 2}, key=("zero",)))
+            self.fail(("zero", "stage"), f"expected 1, 2 or 3, got {value.get('stage')!r}", fix)
+        check_zero_options(self, value)
 
     def _legacy_zero(self, value: dict) -> dict:
         """``zero = dict(level=..., cpu_offload=..., verbose=...)`` rewritten in today's names, in the config itself,
@@ -220,9 +253,10 @@ class _Checker:
             if k == "level" and (_is_bool(v) or v not in (1, 2, 3)):
                 level = as_positive_int(v)
                 self.fail(("zero", "level"), f"expected 1, 2 or 3 (the ZeRO stage), got {v!r}",
-                          _write("zero", dict(stage=level) if level in (1, 2, 3) else None, dict(stage=2)))
+                          self.write(("zero", "level"), dict(stage=level) if level in (1, 2, 3) else None, dict(stage=2),
+                                     key=("zero",)))
             if k in ("cpu_offload", "verbose") and not _is_bool(v):
-                self.fail(("zero", k), f"expected True or False, got {v!r}", _write(k, as_bool(v), False, "="))
+                self.fail(("zero", k), f"expected True or False, got {v!r}", self.write(("zero", k), as_bool(v), False))
             if new is not None and not (k == "cpu_offload" and v is False):  # False is offload_optimizer's default
                 mapped[new] = v
         self.config["zero"] = mapped
@@ -233,11 +267,11 @@ class _Checker:
 
     def dist_timeout(self, value):
         if not _is_number(value) or value <= 0:
-            self.fail(("dist_timeout",), f"expected seconds > 0, got {value!r}", _write("dist_timeout", as_seconds(value), DEFAULTS["dist_timeout"]))
+            self.fail(("dist_timeout",), f"expected seconds > 0, got {value!r}", self.write(("dist_timeout",), as_seconds(value), DEFAULTS["dist_timeout"]))
 
     def _positive_int(self, key, value):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            self.fail((key,), f"expected a positive int, got {value!r}", _write(key, as_positive_int(value), 32))
+            self.fail((key,), f"expected a positive int, got {value!r}", self.write((key,), as_positive_int(value), 32))
 
     def micro_batch_size(self, value):
         self._positive_int("micro_batch_size", value)
@@ -250,7 +284,7 @@ class _Checker:
         if value not in choices:
             meant = as_choice(value, choices, {"avg": "mean", "average": "mean", "token-mean": "per-token-mean"})
             self.fail(("grad_reduction",), f"expected 'mean', 'sum' or 'per-token-mean', got {value!r}",
-                      _write("grad_reduction", meant, DEFAULTS["grad_reduction"]))
+                      self.write(("grad_reduction",), meant, DEFAULTS["grad_reduction"]))
 
     def nonfinite_loss(self, value):
         choices = ("raise", "skip", "ignore")
@@ -258,7 +292,7 @@ class _Checker:
             meant = as_choice(value, choices, {"error": "raise", "fail": "raise", "stop": "raise", "skip-step": "skip",
                                                "none": "ignore", "off": "ignore"})
             self.fail(("nonfinite_loss",), f"expected 'raise', 'skip' or 'ignore' (what to do when a loss is inf or "
-                      f"NaN), got {value!r}", _write("nonfinite_loss", meant, DEFAULTS["nonfinite_loss"]))
+                      f"NaN), got {value!r}", self.write(("nonfinite_loss",), meant, DEFAULTS["nonfinite_loss"]))
 
     def compile(self, value):
         if _is_bool(value):
@@ -268,11 +302,12 @@ class _Checker:
             mode = as_choice(value, COMPILE_MODES)
             meant = dict(mode=mode) if mode else as_bool(value) if isinstance(value, int) else None
             self.fail(("compile",), f"expected True/False or a dict of torch.compile options, got {type(value).__name__}",
-                      _write("compile", meant, dict(mode="default")))
-        for k in value:
+                      self.write(("compile",), meant, dict(mode="default")))
+        for k, v in value.items():
             if k not in allowed:
                 self.fail(("compile", k), "not an option of torch.compile",
                           f"remove it{self._suggest(k, allowed)} (accepted: {', '.join(sorted(allowed))})")
+            check_compile_option(self, k, v)
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
@@ -281,11 +316,11 @@ class _Checker:
         return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _write(key: str, meant, stock, sep: str = " = ") -> str:
-    """The fix: the value the user meant when it can be told, else a stock example."""
-    if meant is not None:
-        return f"write {key}{sep}{py(meant)}"
-    return f"write e.g. {key}{sep}{py(stock)}"
+def _dotted(path, value):
+    """``(dotted key, value)`` for each leaf of ``value`` set at ``path``: a dict is set key by key on a command line."""
+    if isinstance(value, dict) and value:
+        return [item for k, v in value.items() for item in _dotted((*path, k), v)]
+    return [(".".join(path), value)]
 
 
 def _mode_of_options(options: dict) -> Optional[AMP_TYPE]:
@@ -293,6 +328,25 @@ def _mode_of_options(options: dict) -> Optional[AMP_TYPE]:
     fits = [m for m, opts in ((AMP_TYPE.TORCH, TORCH_AMP_OPTIONS), (AMP_TYPE.NAIVE, NAIVE_AMP_OPTIONS))
             if set(options) <= set(opts)]
     return fits[0] if len(fits) == 1 else None
+
+
+def _zero_suggestion(name: str) -> str:
+    """The ``zero`` option a misspelt ``name`` meant, by today's name: a name close to a legacy key (``offload`` is
+    close to ``cpu_offload``) means that key's successor (``offload_optimizer``), which is what a fix should teach."""
+    close = difflib.get_close_matches(name, [*ZERO_OPTIONS, *LEGACY_ZERO_KEYS], n=1, cutoff=0.6)
+    meant = LEGACY_ZERO_KEYS.get(close[0], close[0]) if close else None
+    return f" (did you mean '{meant}'?)" if meant else ""
+
+
+def _cli_mode_fix(meant: Optional[str]) -> str:
+    """The fix of a precision mode given with ``--set``, where the config file's names (``AMP_TYPE.BF16``) are not
+    known and a mode is written by its value (``fp16.mode=bf16``); ``meant`` as ``amp_mode_meant`` gives it."""
+    if meant is None:
+        return ("write --set fp16.mode=torch, --set fp16.mode=bf16, --set fp16.mode=naive or --set fp16=None "
+                "(AMP_TYPE names are not known on the command line)")
+    if meant == "None":
+        return "write --set fp16=None (fp32)"
+    return f"write --set fp16.mode={cli_spelling(AMP_TYPE[meant.split('.')[-1]])}"
 
 
 def _apex_fix(opt_level) -> str:

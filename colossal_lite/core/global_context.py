@@ -139,6 +139,11 @@ class GlobalContext:
             self._device = torch.device("cpu")
         return self._device
 
+    def use_cpu(self) -> torch.device:
+        """Train on the CPU, even where CUDA is available (``launch(..., device='cpu')``)."""
+        self._device = torch.device("cpu")
+        return self._device
+
     def set_seed(self, seed: int):
         """Seed Python, NumPy (when installed) and torch (all devices) with ``seed``."""
         self.seed = seed

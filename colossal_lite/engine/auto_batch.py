@@ -11,6 +11,7 @@ import torch
 
 from ..core.dist import all_agree, world_size
 from .batch import batch_len, call_criterion, call_with, split_samples
+from .reduction import not_a_loss
 from .strategy import AllReduceStrategy
 
 
@@ -50,6 +51,8 @@ class AutoMicroBatcher:
             with engine.strategy.no_sync(engine.model):
                 out = call_with(engine.run_model, d)  # the pieces are one micro-batch, entered above
                 loss = call_criterion(engine.criterion, out, lab)
+                if not isinstance(loss, torch.Tensor):
+                    raise not_a_loss(loss, engine.criterion.wrapped, engine.reduction.name)
                 engine.loss_guard.watch(loss)
                 weight = batch_len(d) / n
                 engine.precision.backward(loss * weight)

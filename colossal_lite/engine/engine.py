@@ -18,7 +18,7 @@ from ..amp.precision import FP32Precision
 from ..logging import get_dist_logger
 from .accumulation import AccumulationWindow, MicroBatch
 from .loss_guard import build_loss_guard
-from .reduction import build_reduction
+from .reduction import build_reduction, not_a_loss
 from .schedule import NonPipelineSchedule
 from .strategy import DDPStrategy, HandlerStrategy, SingleProcess
 
@@ -151,10 +151,18 @@ class Engine:
 
     def run_model(self, *args, **kwargs):
         """The model's forward under autocast, outside the accumulation plan (no gradient-sync decision)."""
-        if self._compile_pending:
-            return self._first_compiled_call(*args, **kwargs)
-        with self.precision.autocast():
-            return self._model(*args, **kwargs)
+        try:  # (a try costs nothing until something is raised)
+            if self._compile_pending:
+                return self._first_compiled_call(*args, **kwargs)
+            with self.precision.autocast():
+                return self._model(*args, **kwargs)
+        except RuntimeError as error:
+            # data parallelism raises its own errors here (DDP's unused parameters): the strategy says them in the
+            # config's words, on the rank where they happen
+            explained = self.strategy.explain(self._model, error)
+            if explained is None:
+                raise
+            raise explained from error
 
     def _first_compiled_call(self, *args, **kwargs):
         start = time.perf_counter()
@@ -193,6 +201,8 @@ class Engine:
         counted). ``num_tokens``: its real-token count with ``grad_reduction='per-token-mean'`` (None: the
         count the criterion reported).
         """
+        if not isinstance(loss, torch.Tensor):  # a type check, no device read
+            raise not_a_loss(loss, self._criterion, self.reduction.name)
         where = self.enter_micro_batch(where)
         self.loss_guard.watch(loss)
         self.precision.backward(loss, self.reduction.loss_weight(loss, where, num_tokens))

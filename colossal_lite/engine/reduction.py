@@ -80,6 +80,11 @@ class TokenMeanReduction(MeanReduction):
     def criterion_result(self, result):
         if isinstance(result, tuple) and len(result) == 2:  # (loss_sum, num_tokens)
             loss_sum, num_tokens = result
+            if not isinstance(num_tokens, (torch.Tensor, int, float)) or isinstance(num_tokens, bool):
+                raise TypeError(f"grad_reduction='per-token-mean' reads a criterion's pair as (loss_sum, num_tokens), "
+                                f"but its second item is a {type(num_tokens).__name__}, not a count. Fix: return "
+                                f"(loss_sum, num_tokens) with num_tokens a tensor or an int (the real tokens of the "
+                                f"micro-batch), and keep other values elsewhere")
             return self.token_loss(loss_sum, num_tokens)
         return result
 
@@ -112,6 +117,24 @@ class TokenMeanReduction(MeanReduction):
 
     def load_state_dict(self, state):
         self.tokens = state.get("tokens")
+
+
+def not_a_loss(loss: Any, criterion: Any, reduction: str) -> TypeError:
+    """The error for a loss that is not a tensor (a criterion that returns ``(loss, extras)``): what a criterion
+    must return and how to get there, instead of an ``AttributeError`` from deep inside the engine."""
+    if isinstance(loss, tuple):
+        got = f"a tuple of {len(loss)} ({', '.join(type(x).__name__ for x in loss)})"
+    else:
+        got = f"a {type(loss).__name__}"
+    name = getattr(criterion, "__name__", None) or type(criterion).__name__
+    source = f"the criterion {name} returned it" if criterion is not None else "engine.backward got it"
+    tokens = ("" if reduction == "per-token-mean" else
+              " (the pair is read as a token count only with grad_reduction = 'per-token-mean' in the config)")
+    return TypeError(
+        f"the loss is {got}, not a tensor: {source}. A criterion must return one tensor (the loss), or "
+        f"(loss_sum, num_tokens) with grad_reduction = 'per-token-mean'{tokens}. Fix: return only the loss from the "
+        f"criterion (keep other values on the criterion object, or compute them in a hook from the output), or in "
+        f"your own loop unpack it: loss, extras = engine.criterion(output, label); engine.backward(loss)")
 
 
 def build_reduction(name: str) -> MeanReduction:

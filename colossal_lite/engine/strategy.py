@@ -9,13 +9,15 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, List, Sequence
+import re
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.model_state import load_model_state
+from ..context.hints import py
 from ..core.dist import world_size
 from ..registry import GRADIENT_HANDLER
 
@@ -62,6 +64,10 @@ class SingleProcess:
 
     def reduce_gradients(self, model: nn.Module):
         pass
+
+    def explain(self, model: nn.Module, error: RuntimeError) -> Optional[RuntimeError]:
+        """An error of the forward said in the config's words, with the fix; None: leave it as it is."""
+        return None
 
     def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(parameters, max_norm)
@@ -120,6 +126,38 @@ class DDPStrategy(SingleProcess):
     def set_gradient_sync(self, model, sync):
         # what DistributedDataParallel.no_sync() sets; its forward reads it (torch.compile wraps the DDP module)
         getattr(model, "_orig_mod", model).require_backward_grad_sync = sync
+
+    def explain(self, model, error):
+        """DDP's "unused parameters" error (raised at the forward after a backward that left a parameter without a
+        gradient) names torch's keyword; the user writes the config, so name its line and the parameters."""
+        if _UNUSED_PARAMETERS not in str(error):
+            return None
+        options = {**self.ddp_kwargs, "find_unused_parameters": True}
+        unused = _unused_parameter_names(getattr(model, "_orig_mod", model), str(error))
+        return RuntimeError(
+            f"DDP on rank {dist.get_rank()}: the last backward gave no gradient to "
+            f"{'the parameters ' + ', '.join(unused) if unused else 'some parameters'} of the model (they were not "
+            f"used to compute the loss), and DDP waits for every parameter's gradient unless told to look for unused "
+            f"ones. Fix: write torch_ddp = {py(options)} in the config (or --set torch_ddp.find_unused_parameters=True; "
+            f"it costs a walk of the autograd graph per backward), or use those parameters in the loss, or freeze "
+            f"them with requires_grad_(False) before initialize")
+
+
+# The start of the error torch's DDP reducer raises at the forward after a backward that left parameters
+# without a gradient.
+_UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
+
+
+def _unused_parameter_names(ddp: nn.Module, message: str) -> List[str]:
+    """The names of the parameters torch's message lists by index ("Parameter indices which did not receive grad
+    for rank 0: 2 3"), or none when it lists none. The indices count the parameters DDP reduces, in
+    ``named_parameters`` order: those that require a gradient and are not ignored."""
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", message)
+    if not found or not isinstance(getattr(ddp, "module", None), nn.Module):
+        return []
+    ignored = getattr(ddp, "parameters_to_ignore", ())
+    names = [n for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
+    return [names[int(i)] for i in found.group(1).split() if int(i) < len(names)]
 
 
 class AllReduceStrategy(SingleProcess):

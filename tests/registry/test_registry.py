@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from optional_packages import require_torchvision
 
 import colossal_lite.registry as registry
 from colossal_lite.registry import GRADIENT_HANDLER, HOOKS, LAYERS, LOSSES, LR_SCHEDULERS, OPTIMIZERS, Registry
@@ -101,6 +102,7 @@ def test_third_party_libraries_and_build():
 
 
 def test_torchvision_is_imported_only_when_a_lookup_needs_it():
+    require_torchvision("the lookup of resnet18 needs torchvision")
     probe = ("import sys; import colossal_lite, colossal_lite.registry as r; assert 'torchvision' not in sys.modules; "
              "m = r.MODELS.get_module('resnet18'); assert 'torchvision' in sys.modules; print(m.__name__)")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)

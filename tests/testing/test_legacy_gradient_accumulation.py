@@ -4,16 +4,19 @@ It uses ``spawn`` and ``rerun_if_address_is_in_use`` around ``launch``, ``get_da
 import pytest
 import torch
 import torch.nn as nn
+from optional_packages import require_torchvision
 from torch.optim import Adam
-from torchvision import transforms
-from torchvision.datasets import FakeData
-from torchvision.models import resnet18
 
 import colossal_lite
 from colossal_lite.core import global_context as gpc
 from colossal_lite.logging import get_dist_logger
 from colossal_lite.testing import rerun_if_address_is_in_use, spawn
 from colossal_lite.utils import get_dataloader
+
+# imported through the helper, so that a torchvision that does not match torch skips this module with the reason
+# instead of stopping the whole run at collection
+torchvision = require_torchvision("this port uses torchvision's FakeData and resnet18", module_level=True)
+transforms, FakeData, resnet18 = torchvision.transforms, torchvision.datasets.FakeData, torchvision.models.resnet18
 
 # Config
 BATCH_SIZE = 2
