@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Union
 
-__all__ = ["TimeUnit", "Time", "Interval", "AtSteps"]
+__all__ = ["TimeUnit", "Time", "Interval", "AtSteps", "unknown_length"]
 
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*(ep|ba|dur)\s*$", re.IGNORECASE)
 _FORMS = "use an int or a string like '2ep', '500ba' or '0.25dur'"
@@ -80,6 +80,34 @@ class Time:
         return f"{self.value}{self.unit.value}"
 
 
+def unknown_length(time: Time) -> str:
+    """Why ``time`` cannot be counted in a run whose train loader has no ``len()``, and what to give instead."""
+    if time.unit is TimeUnit.DURATION:
+        return (f"'{time}' is a fraction of the run, but the run's length in optimizer steps is unknown: the "
+                f"train_dataloader has no len() and the run is counted in epochs. Give it in optimizer steps ('500ba') "
+                f"or epochs ('1ep'), give the run's length in steps (fit(max_steps=500) or max_duration='500ba'), "
+                f"or give the loader a __len__")
+    return (f"'{time}' is counted in optimizer steps per epoch, which are unknown: the train_dataloader has no "
+            f"len(). Give it in optimizer steps ('500ba'), or give the loader a __len__")
+
+
+def _checked_shape(steps_per_epoch: Optional[int], total_steps: Optional[int]):
+    """The run's shape as positive ints; None stays None (unknown: a train loader without ``len``)."""
+    checked = []
+    for name, value in (("steps_per_epoch", steps_per_epoch), ("total_steps", total_steps)):
+        if value is None:
+            checked.append(None)
+            continue
+        try:
+            number = operator.index(value)
+        except TypeError:
+            number = 0
+        if isinstance(value, bool) or number < 1:
+            raise ValueError(f"Interval.bind: {name} must be a positive int, got {value!r}")
+        checked.append(number)
+    return checked
+
+
 class Interval:
     """A recurring event every ``spec`` (e.g. ``'2ep'``, ``'100ba'``, ``'0.1dur'``); call ``bind`` before asking."""
 
@@ -87,23 +115,19 @@ class Interval:
         self.time = Time.from_input(spec, default_unit=default_unit)
         self.steps_per_epoch: Optional[int] = None
         self.total_steps: Optional[int] = None
+        self.bound = False  # bind was called (a value it left None is unknown in this run)
 
     @property
     def unit(self) -> TimeUnit:
         return self.time.unit
 
-    def bind(self, steps_per_epoch: int, total_steps: int) -> Interval:
-        """Record the run's optimizer steps per epoch and total optimizer steps; returns self."""
-        checked = []
-        for name, value in (("steps_per_epoch", steps_per_epoch), ("total_steps", total_steps)):
-            try:
-                number = operator.index(value)
-            except TypeError:
-                number = 0
-            if isinstance(value, bool) or number < 1:
-                raise ValueError(f"Interval.bind: {name} must be a positive int, got {value!r}")
-            checked.append(number)
-        self.steps_per_epoch, self.total_steps = checked
+    def bind(self, steps_per_epoch: Optional[int], total_steps: Optional[int]) -> Interval:
+        """Record the run's optimizer steps per epoch and total optimizer steps; returns self. None: unknown (a
+        train loader without ``len``); a dur interval then cannot be counted and is refused here."""
+        self.steps_per_epoch, self.total_steps = _checked_shape(steps_per_epoch, total_steps)
+        self.bound = True
+        if self.unit is TimeUnit.DURATION and self.total_steps is None:
+            raise ValueError(unknown_length(self.time))
         return self
 
     def _period_in_steps(self) -> int:
@@ -127,8 +151,11 @@ class Interval:
 
     def to_steps(self) -> int:
         """The interval length in optimizer steps, using the values given to ``bind``."""
-        if self.steps_per_epoch is None or self.total_steps is None:
+        if not self.bound:
             raise RuntimeError(f"Interval {self.time}: call bind(steps_per_epoch, total_steps) before to_steps()")
+        if (self.unit is TimeUnit.EPOCH and self.steps_per_epoch is None) or \
+                (self.unit is TimeUnit.DURATION and self.total_steps is None):
+            raise ValueError(unknown_length(self.time))
         return self.time.to_steps(self.steps_per_epoch, self.total_steps)
 
     def __str__(self) -> str:
@@ -155,10 +182,14 @@ class AtSteps:
         self.steps_per_epoch: Optional[int] = None
         self.total_steps: Optional[int] = None
 
-    def bind(self, steps_per_epoch: int, total_steps: int) -> AtSteps:
-        """Resolve ``ep`` and ``dur`` entries against the run's shape; returns self."""
-        shape = Interval(1, TimeUnit.BATCH).bind(steps_per_epoch, total_steps)  # the same checks as an Interval
-        self.steps_per_epoch, self.total_steps = shape.steps_per_epoch, shape.total_steps
+    def bind(self, steps_per_epoch: Optional[int], total_steps: Optional[int]) -> AtSteps:
+        """Resolve ``ep`` and ``dur`` entries against the run's shape; returns self (None: unknown, and an entry
+        that needs it is refused)."""
+        self.steps_per_epoch, self.total_steps = _checked_shape(steps_per_epoch, total_steps)
+        for t in self.times:
+            if (t.unit is TimeUnit.EPOCH and self.steps_per_epoch is None) or \
+                    (t.unit is TimeUnit.DURATION and self.total_steps is None):
+                raise ValueError(unknown_length(t))
         self.steps = frozenset(max(1, t.to_steps(self.steps_per_epoch, self.total_steps)) for t in self.times)
         return self
 

@@ -7,6 +7,7 @@ exactly what ``zero_grad(); execute_schedule(); step()`` computes.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import signal
@@ -23,6 +24,7 @@ from ..engine.step import make_train_step
 from ..logging import DistributedLogger, get_dist_logger
 from ..utils.data import DataParallelSampler, batches_per_epoch, skip_batches
 from ..utils.timer import MultiTimer
+from ._epoch import SizedEpoch, UnsizedEpoch
 from ._padding import RealRows
 from ._predict import is_loader, predict_loader
 from ._recorder import Recorder, flat_params
@@ -123,20 +125,25 @@ def _epoch_length(loader) -> Optional[int]:
     return batches_per_epoch(loader)
 
 
-def _iterate_from(loader, iters: int, skip: int) -> Iterator:
-    """An iterator over ``loader`` whose first batch is batch ``skip`` of the epoch (``iters`` batches long).
+def _iterate_from(loader, iters: Optional[int], skip: int) -> Iterator:
+    """An iterator over ``loader`` whose first batch is batch ``skip`` of the epoch (``iters`` batches long; None:
+    a loader without len).
 
     A loader restored with ``load_state_dict`` already starts there; a ``get_dataloader`` loader is moved
-    by its sampler (nothing is loaded); other loaders are read and the first ``skip`` batches dropped.
+    by its sampler (nothing is loaded); other loaders are read and the first ``skip`` batches dropped (exact
+    when the loader yields the same batches each time it is iterated).
     """
-    if skip == 0 or _loader_len(loader) == iters - skip:
+    if skip == 0 or (iters is not None and _loader_len(loader) == iters - skip):
         return iter(loader)
     if isinstance(getattr(loader, "sampler", None), DataParallelSampler):
         skip_batches(loader, skip)
         return iter(loader)
     data_iter = iter(loader)
-    for _ in range(skip):
-        next(data_iter)
+    for done in range(skip):
+        if next(data_iter, _END) is _END:
+            raise RuntimeError(f"resuming inside an epoch at batch {skip}, but the train_dataloader ended after "
+                               f"{done} batches: resume on the loader the checkpoint was taken with, which must yield "
+                               f"the same batches each time it is iterated (or resume from an epoch's end)")
     return data_iter
 
 
@@ -201,8 +208,9 @@ def _check_count(name: str, value, allow_zero: bool = True) -> int:
     return value
 
 
-def _resolve_length(epochs, max_steps, max_duration, steps_per_epoch: int):
-    """-> (max_epochs, max_steps or None) from fit's arguments."""
+def _resolve_length(epochs, max_steps, max_duration, steps_per_epoch: Optional[int]):
+    """-> (max_epochs, max_steps or None) from fit's arguments; max_epochs is None (no epoch limit) for a length in
+    steps when ``steps_per_epoch`` is unknown (a train loader without len)."""
     if max_duration is not None:
         if epochs is not None or max_steps is not None:
             raise ValueError(f"fit: give max_duration or epochs/max_steps, not both (got max_duration={max_duration!r}, "
@@ -216,14 +224,27 @@ def _resolve_length(epochs, max_steps, max_duration, steps_per_epoch: int):
                              f"run's length; use epochs ('10ep') or optimizer steps ('500ba')")
         if length.unit is TimeUnit.EPOCH:
             return int(length.value), None
-        return math.ceil(length.value / steps_per_epoch), int(length.value)
+        return _epochs_for(int(length.value), steps_per_epoch), int(length.value)
     if epochs is None and max_steps is None:
         raise ValueError("fit needs the run's length: epochs=..., max_steps=... or max_duration='10ep' / '500ba'")
     if max_steps is not None:
         _check_count("max_steps", max_steps)
     if epochs is None:
-        return math.ceil(max_steps / steps_per_epoch), max_steps
+        return _epochs_for(max_steps, steps_per_epoch), max_steps
     return _check_count("epochs", epochs), max_steps
+
+
+def _epochs_for(steps: int, steps_per_epoch: Optional[int]) -> Optional[int]:
+    """Epochs that hold ``steps`` optimizer steps; None (no epoch limit) when an epoch's steps are unknown."""
+    return None if steps_per_epoch is None else math.ceil(steps / steps_per_epoch)
+
+
+def _run_steps(max_epochs: Optional[int], max_steps: Optional[int], steps_per_epoch: Optional[int]) -> Optional[int]:
+    """Optimizer steps the whole run takes (>= 1); None when unknown (a loader without len, a length in epochs)."""
+    if steps_per_epoch is None:
+        return None if max_epochs is not None else max(1, max_steps)
+    total = max_epochs * steps_per_epoch
+    return max(1, total if max_steps is None else min(total, max_steps))
 
 
 def _run_trackers(trackers, log_dir, hooks) -> Tuple[List[Tracker], Optional[Path]]:
@@ -423,23 +444,23 @@ class Trainer:
     def _begin_fit(self, train_loader, test_loader, epochs, max_steps, max_duration, test_interval,
                    display_progress: bool, return_output_label: bool) -> "_Run":
         """Check fit's arguments and set the run's shape in ``state``; -> the run's loaders and options."""
-        iters = _epoch_length(train_loader)
-        if iters is None:
-            raise TypeError(f"fit(train_dataloader=...) needs a loader with a length (len(loader)) to count epochs; "
-                            f"got {type(train_loader).__name__}")
+        iters = _epoch_length(train_loader)  # None: a loader without len, whose epochs end when its iterator does
         if iters == 0:
             raise ValueError("fit(train_dataloader=...) is empty: len(train_dataloader) == 0")
         st = self.state
-        steps_per_epoch = math.ceil(iters / self._engine.window.size)
+        steps_per_epoch = None if iters is None else math.ceil(iters / self._engine.window.size)
         max_epochs, max_steps = _resolve_length(epochs, max_steps, max_duration, steps_per_epoch)
-        total = max_epochs * steps_per_epoch
-        total_steps = max(1, total if max_steps is None else min(total, max_steps))
+        total_steps = _run_steps(max_epochs, max_steps, steps_per_epoch)
         try:
             interval = Interval(test_interval).bind(steps_per_epoch, total_steps)
         except ValueError as err:
             raise ValueError(f"fit(test_interval={test_interval!r}): {err}") from None
         if self._step_from_epoch:
-            st.step = st.epoch * steps_per_epoch
+            if steps_per_epoch is None and st.epoch:
+                raise ValueError(f"trainer.cur_epoch = {st.epoch}: the steps taken before epoch {st.epoch} are unknown "
+                                 f"because the train_dataloader has no len(); resume from a checkpoint "
+                                 f"(fit(resume_from=...)) or give the loader a __len__")
+            st.step = st.epoch * (steps_per_epoch or 0)
             self._step_from_epoch = False
         st.reset_states()
         st.stop_training, st.stop_reason, st.last_eval_step = False, None, None
@@ -454,14 +475,15 @@ class Trainer:
         st = self.state
         self._engine.train()
         self.fire(Event.BEFORE_TRAIN)
-        for epoch in range(st.epoch, st.max_epochs):
+        epochs = range(st.epoch, st.max_epochs) if st.max_epochs is not None else itertools.count(st.epoch)
+        for epoch in epochs:  # (no epoch limit: a loader without len and a length in steps)
             if st.max_steps_reached:
                 break
             self._train_epoch(run, epoch, checkpoints)
             if checkpoints.preempted:
                 break
             self._evaluate_after_epoch(run)
-            if st.batch_idx >= st.iters_per_epoch:  # a finished epoch; a cut-short one is continued by the next fit
+            if st.epoch_finished:  # a finished epoch; a cut-short one is continued by the next fit
                 st.epoch += 1
                 st.batch_idx = 0
             if checkpoints.at_epoch_boundary() or self._stops_after(epoch):  # (a safe point: interval saves)
@@ -493,8 +515,8 @@ class Trainer:
         data_iter = _iterate_from(run.train_loader, st.iters_per_epoch, skip)
         engine.window.continue_at(skip)
         st.epoch_start_step = st.step - skip // engine.window.size
-        progress = make_progress(run.display, f"[Epoch {epoch} / Train]", st.iters_per_epoch - skip, self.states,
-                                 run=st)
+        total = None if st.iters_per_epoch is None else st.iters_per_epoch - skip  # (no len: count and rate only)
+        progress = make_progress(run.display, f"[Epoch {epoch} / Train]", total, self.states, run=st)
         self.fire(Event.BEFORE_TRAIN_EPOCH)
         self._continue_metrics(skip)
         timer.start("Train-epoch")
@@ -531,21 +553,19 @@ class Trainer:
         events around it. Returns True when a checkpoint ``boundary`` asked to stop (preemption).
         ``until_step``: stop after the first optimizer step (test mode)."""
         st, engine, h, timer = self.state, self._engine, self._h, self._run_timer
-        end, max_steps = st.iters_per_epoch, st.max_steps if st.max_steps is not None else math.inf
-        plans = engine.window.plans(end)
-        while st.batch_idx < end:
-            where = plans[st.batch_idx]
+        max_steps = st.max_steps if st.max_steps is not None else math.inf
+        epoch = SizedEpoch(engine.window, data_iter, st.iters_per_epoch) if st.iters_per_epoch is not None \
+            else UnsizedEpoch(engine.window, data_iter, st)
+        while epoch.has(st.batch_idx):
             for fn in h.before_train_iter:
                 fn(self)
-            timer.start("Train-step")  # (a step's time includes loading its batch)
+            timer.start("Train-step")  # (a step's time includes loading its batch, or without len its read-ahead)
+            where = epoch.place(st.batch_idx)
             if where.first:
                 for fn in h.before_zero_grad:
                     fn(self)
                 engine.zero_grad()
-            batch = next(data_iter, _END)
-            if batch is _END:
-                raise RuntimeError(f"the train_dataloader stopped after {st.batch_idx} batches of an epoch, but its "
-                                   f"len() is {end}: make __len__ give the number of batches __iter__ yields")
+            batch = epoch.batch(st.batch_idx)
             self._step.run(batch, where)
             st.iteration += 1
             st.batch_idx += 1
@@ -581,7 +601,7 @@ class Trainer:
         if run.test_loader is None or st.last_eval_step == st.step:
             return
         completed = st.epoch + 1
-        last = completed >= st.max_epochs or st.max_steps_reached or st.stop_training
+        last = (st.max_epochs is not None and completed >= st.max_epochs) or st.max_steps_reached or st.stop_training
         if last or run.interval.is_epoch_boundary(completed):
             self._eval(run.test_loader, st.epoch, run.display, run.return_output_label)
 

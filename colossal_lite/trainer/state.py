@@ -22,10 +22,13 @@ class State:
     - ``iteration``: training micro-batches run.
     - ``batch_idx``: micro-batches run in the current epoch.
 
-    Set by ``fit`` from its arguments: ``max_epochs``, ``max_steps`` (None = no step limit),
-    ``steps_per_epoch`` (optimizer steps per epoch), ``iters_per_epoch`` (micro-batches per epoch),
-    ``total_steps`` (optimizer steps the whole run will take), ``fitting`` (inside ``fit``; False in
-    ``evaluate`` alone), ``will_test`` (``fit`` got a test loader).
+    Set by ``fit`` from its arguments: ``max_epochs`` (None = no epoch limit: a train loader without ``len``
+    and a length in steps), ``max_steps`` (None = no step limit), ``steps_per_epoch`` (optimizer steps per
+    epoch), ``iters_per_epoch`` (micro-batches per epoch), ``total_steps`` (optimizer steps the whole run will
+    take), ``fitting`` (inside ``fit``; False in ``evaluate`` alone), ``will_test`` (``fit`` got a test loader).
+    A train loader without ``len`` leaves ``steps_per_epoch`` and ``iters_per_epoch`` None, and ``total_steps``
+    None unless the run's length is in steps; ``epoch_length`` is then the micro-batches of the current epoch
+    once its iterator has ended (the loop reads a little ahead, so it is known before the epoch's last step).
 
     Current iteration: ``phase`` ('train', 'test' or None), ``batch`` (as loaded, on the device),
     ``data`` and ``label`` (the model input and the target split from it), ``output``, ``loss``
@@ -52,6 +55,7 @@ class State:
         self.fitting = False  # inside fit (False in evaluate alone)
         self.will_test = False  # fit got a test_dataloader
         self.epoch_start_step = 0  # value of ``step`` when the current epoch began
+        self.epoch_length: Optional[int] = None  # a loader without len: the epoch's micro-batches, once known
         self.last_eval_step: Optional[int] = None  # ``step`` at the last evaluation inside fit
         # current iteration
         self.phase: Optional[str] = None
@@ -110,7 +114,8 @@ class State:
     def epoch_finished(self) -> bool:
         """All micro-batches of the current epoch have run (at ``after_train_epoch``: False when ``max_steps``,
         a stop or a preemption cut the epoch short, so the next ``fit`` continues it)."""
-        return self.iters_per_epoch is not None and self.batch_idx >= self.iters_per_epoch
+        end = self.iters_per_epoch if self.iters_per_epoch is not None else self.epoch_length
+        return end is not None and self.batch_idx >= end
 
     @property
     def max_steps_reached(self) -> bool:

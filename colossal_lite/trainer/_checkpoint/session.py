@@ -87,7 +87,7 @@ class CheckpointSession:
         """True (and a log line on rank 0) when the run already stands at the end this ``fit`` was asked for."""
         st = self.trainer.state
         by_steps = st.max_steps is not None and st.step >= st.max_steps
-        if st.epoch < st.max_epochs and not by_steps:
+        if (st.max_epochs is None or st.epoch < st.max_epochs) and not by_steps:
             return False
         if by_steps:
             message = (f"already trained to step {st.step} (epoch {st.epoch}, batch {st.batch_idx}), nothing to do: "
@@ -140,7 +140,7 @@ class CheckpointSession:
     def at_step_boundary(self) -> bool:
         """After an optimizer step (and its evaluation): interval saves; True when the run must stop (preempted)."""
         st = self.trainer.state
-        if st.batch_idx >= st.iters_per_epoch:
+        if st.epoch_finished:
             return False  # the epoch ends now: the epoch's boundary comes right after its end events
         self._save_due()
         if st.max_steps_reached or st.stop_training:  # the run stops inside the epoch: the final checkpoint is

@@ -18,6 +18,7 @@ from .._checkpoint.contents import checkpoint_metrics, hook_entry, name_epoch, p
 from .._checkpoint.restore import load_trainer_checkpoint, restore_trainer_checkpoint
 from ..time import AtSteps, Interval, Time, TimeUnit
 from ._base_hook import BaseHook
+from ._utils import bind_interval
 
 __all__ = ["SaveCheckpointHook", "LoadCheckpointHook"]
 
@@ -105,9 +106,7 @@ class SaveCheckpointHook(BaseHook):
     def after_hook_is_attached(self, trainer):
         if not trainer.state.fitting:
             return
-        st = trainer.state
-        if st.steps_per_epoch and st.total_steps:
-            self.interval.bind(st.steps_per_epoch, st.total_steps)
+        bind_interval(self.interval, trainer, type(self).__name__)
         if self.model is not None:
             engine = trainer.engine
             if not any(m is self.model for m in engine.model.modules()):
@@ -126,7 +125,7 @@ class SaveCheckpointHook(BaseHook):
 
     def after_train_epoch(self, trainer):
         st = trainer.state
-        if self.interval.unit is TimeUnit.EPOCH and st.batch_idx >= st.iters_per_epoch \
+        if self.interval.unit is TimeUnit.EPOCH and st.epoch_finished \
                 and self.interval.is_epoch_boundary(st.epoch + 1):
             self._due = True
 

@@ -51,7 +51,7 @@ class LogByEpochHook(BaseHook):
         self._interval = make_interval(interval, type(self).__name__)
 
     def after_hook_is_attached(self, trainer):
-        bind_interval(self._interval, trainer)
+        bind_interval(self._interval, trainer, type(self).__name__)
 
     def _is_epoch_to_log(self, trainer) -> bool:
         return due_at_epoch_end(self._interval, trainer)
@@ -206,7 +206,9 @@ class LogTimingByEpochHook(LogByEpochHook):
     def after_train_epoch(self, trainer):
         if self._is_epoch_to_log(trainer):
             msg = self._describe("Train")
-            log_rank_0(self.logger, f"{_epoch_label(trainer, 'Train')}: {msg} | #steps/epoch = {trainer.steps_per_epoch}")
+            st = trainer.state  # (a loader without len: the steps this epoch took)
+            spe = st.steps_per_epoch if st.steps_per_epoch is not None else st.step - st.epoch_start_step
+            log_rank_0(self.logger, f"{_epoch_label(trainer, 'Train')}: {msg} | #steps/epoch = {spe}")
 
     def after_test_epoch(self, trainer):
         if self._log_eval:

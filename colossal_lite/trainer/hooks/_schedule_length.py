@@ -52,7 +52,10 @@ def warn_if_schedule_ends_early(key: str, scheduler, by_epoch: bool, state, path
     if length is None:
         return
     unit = "epochs" if by_epoch else "optimizer steps"
-    run_left = state.max_epochs - state.epoch if by_epoch else state.total_steps - state.step
+    run_length = state.max_epochs if by_epoch else state.total_steps
+    if run_length is None:  # a train loader without len: the run's length in this unit is unknown
+        return
+    run_left = run_length - (state.epoch if by_epoch else state.step)
     schedule_left = length - int(getattr(scheduler, "last_epoch", 0))
     if schedule_left >= run_left:
         return

@@ -18,11 +18,16 @@ def make_interval(spec: Union[int, str, Time], owner: str) -> Interval:
         raise ValueError(f"{owner}(interval={spec!r}): {err}") from None
 
 
-def bind_interval(interval: Interval, trainer) -> None:
-    """Tell ``interval`` the run's shape when ``fit`` is running (``evaluate`` alone has none)."""
+def bind_interval(interval: Interval, trainer, owner: str) -> None:
+    """Tell ``interval`` the run's shape when ``fit`` is running (``evaluate`` alone has none). A train loader
+    without ``len`` leaves steps per epoch (and, for a run counted in epochs, its total) unknown: an interval
+    that needs them is refused, the error naming ``owner``."""
     st = trainer.state
-    if st.steps_per_epoch and st.total_steps:
-        interval.bind(st.steps_per_epoch, st.total_steps)
+    if st.fitting or (st.steps_per_epoch and st.total_steps):
+        try:
+            interval.bind(st.steps_per_epoch, st.total_steps)
+        except ValueError as err:
+            raise ValueError(f"{owner}(interval={str(interval)!r}): {err}") from None
 
 
 def due_at_epoch_end(interval: Interval, trainer) -> bool:
@@ -35,7 +40,7 @@ def due_at_epoch_end(interval: Interval, trainer) -> bool:
     st = trainer.state
     if interval.unit is TimeUnit.EPOCH:
         return interval.is_epoch_boundary(st.epoch + 1)
-    if interval.total_steps is None:
+    if not getattr(interval, "bound", interval.total_steps is not None):
         return True
     period = max(1, interval.to_steps())
     return st.step // period > st.epoch_start_step // period
