@@ -10,9 +10,9 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from ..pipe_exit import quiet_on_broken_pipe
+from .info import checkpoint_info
 from .io import CheckpointError, atomic_save, format_bytes, tensor_bytes
-from .manager import checkpoint_info
-from .manager import merge_checkpoint as merged_content
+from .reader import merge_checkpoint as merged_content
 from .weights import read_weights
 
 DESCRIPTION = "Inspect a checkpoint, export its model weights, or merge a sharded one into one file."

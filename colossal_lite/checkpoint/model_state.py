@@ -71,10 +71,17 @@ def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], strict: b
 
 
 def unwrap_module(model: nn.Module) -> nn.Module:
-    """The module inside DDP-style wrappers (``.module``)."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
+    """The user's module inside torch.compile (``_orig_mod``) and DDP-style (``.module``) wrappers, in any nesting.
+
+    Its ``state_dict`` has the keys of the plain model, which is what a checkpoint stores and loads.
+    """
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module) or isinstance(model, nn.ModuleList):
+            return model
+        model = inner
 
 
 def is_sharded(model: nn.Module) -> bool:

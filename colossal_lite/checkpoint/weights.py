@@ -14,8 +14,10 @@ from typing import Any, Dict, NamedTuple, Optional, Union
 import torch
 
 from .io import CheckpointError, PathLike, load_single_file
-from .manager import has_sharded_state, is_single_file, load_shared, merge_sharded, model_state_from, resolve_path
 from .model_state import strip_prefix
+from .pointers import is_single_file, resolve_path
+from .reader import load_shared, model_state_from
+from .sharded import has_sharded_state, merge_sharded
 
 __all__ = ["load_weights", "read_weights", "averaged_models", "Weights"]
 

@@ -62,7 +62,7 @@ def _loss_value(loss: torch.Tensor) -> torch.Tensor:
 class RaiseOnNonFinite(IgnoreNonFinite):
     """Flags non-finite losses on the device; ``check`` raises naming the first optimizer step that had one.
 
-    Each micro-step costs one small operator and no host read: the running sum of the losses so far (non-finite
+    Each micro-step adds one small device operator and never reads the device: the running sum of the losses so far (non-finite
     once any loss is) is written into the next slot of a ring on the device, while the host notes which
     optimizer step that micro-step belongs to. ``check`` reads the ring once and finds the first non-finite
     sum. When more than ``ring_size`` micro-steps ran since the last check and the oldest kept sum is already
@@ -72,7 +72,7 @@ class RaiseOnNonFinite(IgnoreNonFinite):
     def __init__(self, ring_size: int = 1024):
         self.ring_size = int(ring_size)
         self._ring: Optional[torch.Tensor] = None  # float32 [ring_size]: running sums, one per micro-step
-        self._slots: tuple = ()  # the ring's slots as 0-dim views (made once: writing one costs no view op)
+        self._slots: tuple = ()  # the ring's slots as 0-dim views (made once, so writing a slot makes no new view)
         self._steps = [0] * self.ring_size  # host: the optimizer step each slot's micro-step belongs to
         self._zero: Optional[torch.Tensor] = None
         self._sum: Optional[torch.Tensor] = None  # the slot (or zero) holding the running sum so far
@@ -171,7 +171,7 @@ class SkipNonFinite(IgnoreNonFinite):
         if world_size() > 1:
             ok = ok.to(_collective_device())
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if bool(ok):  # the one host read per update that 'skip' costs
+        if bool(ok):  # the one host read per update: 'skip' decides on the host whether the optimizer steps
             return True
         self.skipped += 1
         return False

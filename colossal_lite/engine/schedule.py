@@ -45,11 +45,6 @@ class NonPipelineSchedule:
         batch = self.current_batch = move_to_device(next(data_iter), device)
         return batch
 
-    def load_split(self, data_iter: Iterable, device: torch.device):
-        """``load_batch`` then ``split``: -> (batch, data, label)."""
-        _check_iterator(data_iter)
-        return self.place(next(data_iter), device)
-
     def place(self, batch, device: torch.device):
         """A loaded batch on ``device``, split: -> (batch, data, label); it becomes ``current_batch``."""
         batch = self.current_batch = move_to_device(batch, device)

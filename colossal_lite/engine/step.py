@@ -48,8 +48,8 @@ class TrainStep:
         self.events = events
         self.owner = owner
         self.measure_grad_norm = bool(events.after_grad_norm)  # a hook wants the norm even without clipping
-        # ``engine(x)`` and ``engine.criterion(out, y)`` as bound methods, which Python calls more cheaply than the
-        # objects (the same code runs)
+        # ``engine(x)`` and ``engine.criterion(out, y)`` as bound methods: calling one goes straight to the method,
+        # where calling the object first looks ``__call__`` up on its type (the same code runs)
         self.forward = engine.__call__
         self.criterion = engine.criterion.__call__
 
@@ -60,8 +60,8 @@ class TrainStep:
         if where.last:
             self.update()
 
-    # Each event is a loop over its handlers, written out at its line: an event nobody handles costs an empty
-    # loop, not a call.
+    # Each event is a loop over its handlers, written out at its line: an event nobody handles is an empty
+    # loop, with no call in between.
     def load(self, batch: Any) -> None:
         """Put the batch on the engine's device and split it into ``(data, label)``; a handler of
         ``after_batch_loaded`` may replace the whole batch (it is split again) or its parts."""

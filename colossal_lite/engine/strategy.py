@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint.model_state import load_model_state
+from ..checkpoint.model_state import load_model_state, unwrap_module
 from ..context.hints import py
 from ..core.dist import world_size
 from ..registry import GRADIENT_HANDLER
@@ -74,14 +74,8 @@ class SingleProcess:
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:
-        """The user's module inside torch.compile and DDP wrappers."""
-        while True:
-            inner = getattr(model, "_orig_mod", None)
-            if not isinstance(inner, nn.Module):
-                inner = getattr(model, "module", None)
-            if not isinstance(inner, nn.Module) or isinstance(model, nn.ModuleList):
-                return model
-            model = inner
+        """The user's module inside torch.compile and DDP wrappers (``unwrap_module``)."""
+        return unwrap_module(model)
 
     # -- state (collectives where the state is sharded: every rank calls them) ----------------
     def model_state_dict(self, model) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Event", "LEGACY_EVENTS", "ITERATION_EVENTS", "ENGINE_EVENTS", "CHECKPOINT_EVENTS"]
+__all__ = ["Event"]
 
 
 class Event(str, Enum):
@@ -46,18 +46,3 @@ class Event(str, Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-LEGACY_EVENTS = (
-    Event.AFTER_HOOK_IS_ATTACHED, Event.BEFORE_TRAIN, Event.AFTER_TRAIN, Event.BEFORE_TRAIN_EPOCH,
-    Event.AFTER_TRAIN_EPOCH, Event.BEFORE_TRAIN_ITER, Event.AFTER_TRAIN_ITER, Event.BEFORE_TEST, Event.AFTER_TEST,
-    Event.BEFORE_TEST_EPOCH, Event.AFTER_TEST_EPOCH, Event.BEFORE_TEST_ITER, Event.AFTER_TEST_ITER,
-)
-ITERATION_EVENTS = (
-    Event.BEFORE_ZERO_GRAD, Event.AFTER_BATCH_LOADED, Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.AFTER_LOSS,
-    Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD, Event.AFTER_GRAD_NORM, Event.BEFORE_OPTIMIZER_STEP,
-    Event.AFTER_OPTIMIZER_STEP,
-)
-# the events around the update at a window's end, fired by the training step between the engine's calls
-ENGINE_EVENTS = (Event.AFTER_GRAD_NORM, Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP)
-CHECKPOINT_EVENTS = (Event.ON_SAVE_CHECKPOINT, Event.ON_LOAD_CHECKPOINT)

@@ -22,10 +22,10 @@ from ..checkpoint.io import (
     atomic_save,
     load_single_file,
 )
+from ..checkpoint.layout import pid_alive
 from ..checkpoint.manager import (
     META_FILE,
     CheckpointManager,
-    _pid_alive,
     has_sharded_state,
     is_single_file,
     load_shared,
@@ -168,7 +168,7 @@ def remove_stale_temp_files(file) -> List[Path]:
         return removed
     for entry in path.parent.iterdir():
         m = pattern.match(entry.name)
-        if m and entry.is_file() and not _pid_alive(int(m.group(1))):
+        if m and entry.is_file() and not pid_alive(int(m.group(1))):
             entry.unlink(missing_ok=True)
             removed.append(entry)
     return removed

@@ -27,7 +27,7 @@ DRIVER = textwrap.dedent("""
     from torch import nn
     from torch.utils.data import TensorDataset
     import colossal_lite
-    import colossal_lite.checkpoint.manager as manager_module
+    import colossal_lite.checkpoint.writer as writer_module
     from colossal_lite.core import global_context as gpc
     from colossal_lite.trainer import Trainer
     from colossal_lite.trainer.hooks import BaseHook, LossHook, LRSchedulerHook, SaveCheckpointHook
@@ -56,7 +56,7 @@ DRIVER = textwrap.dedent("""
 
         if pause_at_save is not None:  # stop inside the pause_at_save-th write, after its shared.pt
             writes = [0]
-            original = manager_module.save_file
+            original = writer_module.save_file
 
             def slow_save_file(obj, path):
                 n = original(obj, path)
@@ -67,7 +67,7 @@ DRIVER = textwrap.dedent("""
                         time.sleep(30)
                 return n
 
-            manager_module.save_file = slow_save_file
+            writer_module.save_file = slow_save_file
         hooks = [LossHook(), LRSchedulerHook(sched, by_epoch=False), Steps(), SaveCheckpointHook("1ba", folder)]
         Trainer(engine).fit(loader, epochs=3, hooks=hooks, resume_from="auto")
         return {k: v.tolist() for k, v in model.state_dict().items()}

@@ -111,7 +111,7 @@ def test_engine_state_dict_round_trip_mid_window(launched):
     assert resumed.num_updates == full.num_updates == 2
 
 
-def test_load_split_passes_a_pair_on_the_device_through_and_sizes_batches_when_asked():
+def test_place_passes_a_pair_on_the_device_through_and_sizes_batches_when_asked():
     from colossal_lite.engine.schedule import move_to_device
 
     cpu = torch.device("cpu")
@@ -122,11 +122,11 @@ def test_load_split_passes_a_pair_on_the_device_through_and_sizes_batches_when_a
     moved = move_to_device(nested, cpu)
     assert moved is not nested and moved[0] is x and moved[1]["y"] is y
     schedule = NonPipelineSchedule()
-    batch, data, label = schedule.load_split(iter([pair]), cpu)
+    batch, data, label = schedule.place(pair, cpu)
     assert batch is pair and data is x and label is y and schedule.batch_size == 6
-    batch, data, label = schedule.load_split(iter([[x[:2], y[:2]]]), cpu)  # a list batch goes through split
+    batch, data, label = schedule.place([x[:2], y[:2]], cpu)  # a list batch goes through split
     assert data.shape[0] == 2 and schedule.batch_size == 2
-    schedule.load_split(iter([(torch.tensor(1.0), y)]), cpu)
+    schedule.place((torch.tensor(1.0), y), cpu)
     assert schedule.batch_size is None  # a 0-dim first tensor has no batch dimension
     with pytest.raises(ValueError, match="a batch must be \\(data, label\\)"):
-        schedule.load_split(iter([(x, y, y)]), cpu)
+        schedule.place((x, y, y), cpu)

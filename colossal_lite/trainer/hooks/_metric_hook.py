@@ -56,10 +56,9 @@ class _RunningSum:
     a part has the same weight (a loss's batch size), which multiplies the part when it is added to a float64
     total (float32 on MPS). That happens every ``fold_every`` updates, when the weight changes (a last, smaller
     batch) and when the sum is read, so a long epoch keeps its precision and an update is a plain ``add_``
-    (an ``alpha`` or a float32 value added straight into float64 would cost more each step).
-    Keeping each step's value to sum them later costs no kernel, but on the CPU those small live tensors,
-    placed between the step's large buffers, made glibc trim and regrow the heap again and again, and the page
-    faults cost more than the add.
+    (an ``alpha`` or a float32 value added straight into float64 would be extra work at each step).
+    The values are summed as they come rather than kept to sum later: on the CPU those small live tensors,
+    placed between the step's large buffers, make glibc trim and regrow the heap again and again.
 
     Values must not require grad: the metrics detach a training loss first.
     """
@@ -345,7 +344,7 @@ class LearningRateMetric(Metric):
     """The learning rate of the first parameter group (a float; the same on every rank, no reduction).
 
     With ``source`` (a callable returning the current learning rate) the value is read when asked, so
-    following the schedule costs nothing per step; ``update(lr)`` sets a value instead. The epoch log line
+    following the schedule adds no work to a step; ``update(lr)`` sets a value instead. The epoch log line
     shows ``trained_lr``: a scheduler steps at the epoch's end before the line is written, and the line is
     about the epoch that ran.
     """
@@ -777,7 +776,7 @@ class _StepMetricsView(Mapping):
 class LogMetricByStepHook(MetricHook):
     """Makes ``trainer.states['step_metrics']`` show each metric's last-step value (lower-case names).
 
-    It is a live view of the current phase's metrics, so it costs nothing per step, does not depend on
+    It is a live view of the current phase's metrics, so it adds no work to a step, does not depend on
     hook order, and its values stay device tensors until the progress display reads them.
     """
 

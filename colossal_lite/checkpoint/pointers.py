@@ -1,0 +1,59 @@
+"""The ``last``/``best`` pointer files on disk, and finding the checkpoint folder a path or a pointer names.
+
+A pointer is a small text file holding the name of a folder beside it; it is replaced atomically,
+so it always names a complete checkpoint. Which checkpoint a pointer should name is policy
+(``policy.py``); this module only reads and writes them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from .io import CheckpointNotFoundError, PathLike, atomic_write_text
+from .layout import META_FILE, read_meta
+
+POINTER_MAX_BYTES = 4096  # a larger file is a checkpoint file, never a pointer
+
+
+def read_pointer(pointer: Path) -> Optional[str]:
+    try:
+        text = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not text or "/" in text or "\\" in text or text.startswith("."):
+        return None  # not a name we wrote: never follow it outside the folder
+    return text
+
+
+def write_pointer(pointer: Path, name: str) -> None:
+    atomic_write_text(pointer, name + "\n")
+
+
+def is_single_file(path: PathLike) -> bool:
+    """True for a single-file checkpoint (``save_checkpoint``), False for folders and ``last``/``best`` pointers."""
+    p = Path(path)
+    return p.is_file() and (p.stat().st_size >= POINTER_MAX_BYTES or read_pointer(p) is None)
+
+
+def resolve_path(which: PathLike, checkpoint_dir: Optional[PathLike] = None) -> Path:
+    """A checkpoint folder from a folder path, a ``last``/``best`` pointer file, a checkpoint directory
+    (its ``last``) or a name inside ``checkpoint_dir``; a single file (``ckpt merge``'s) is returned as it is."""
+    candidates = [Path(which)]
+    if checkpoint_dir is not None and not Path(which).is_absolute():
+        candidates.append(Path(checkpoint_dir) / which)
+    for path in candidates:
+        if path.is_file():
+            target = read_pointer(path) if path.stat().st_size < POINTER_MAX_BYTES else None
+            if target is None or not (path.parent / target).is_dir():
+                return path  # a single file: read_checkpoint takes one ckpt merge wrote, and says what to do with others
+            path = path.parent / target
+        if path.is_dir():
+            if not (path / META_FILE).exists() and (path / "last").is_file():
+                target = read_pointer(path / "last")
+                if target is not None:
+                    path = path / target
+            read_meta(path)
+            return path
+    raise CheckpointNotFoundError(f"checkpoint {which} does not exist"
+                                  + (f" (also looked for {Path(checkpoint_dir) / which})"
+                                     if len(candidates) > 1 else ""))

@@ -1,0 +1,79 @@
+"""Sharded (ZeRO stage 2/3) state in a checkpoint folder's ``sharded/``: torch.distributed.checkpoint files.
+
+Each rank writes its own shard with ``torch.distributed.checkpoint`` (DCP). DCP writes its files
+itself, so their checksums are taken by reading them back, each file by one rank.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List
+
+from .io import CheckpointNotFoundError, PathLike, file_checksum, fsync_dir, load_file, verify_checksum
+from .layout import SHARDED_DIR, SHARED_FILE, read_meta, verify_files
+
+
+def sharded_share(names: List[str], rank: int, world_size: int) -> List[str]:
+    """This rank's share of the sharded files ``names`` (each file is checksummed by one rank)."""
+    return [n for n in sorted(names) if n.startswith(SHARDED_DIR + "/")][rank::world_size]
+
+
+def sharded_checksums(folder: Path, rank: int, world_size: int) -> Dict[str, str]:
+    """Checksums of this rank's share of the files torch.distributed.checkpoint wrote into ``folder/sharded``.
+
+    DCP writes its files itself, so they are read back once (from the page cache, just after
+    the write) and the ranks split the reading.
+    """
+    names = [f"{SHARDED_DIR}/{p.name}" for p in (folder / SHARDED_DIR).iterdir() if p.is_file()]
+    return {n: file_checksum(folder / n) for n in sharded_share(names, rank, world_size)}
+
+
+def verify_sharded(folder: PathLike, meta: Dict[str, Any], rank: int = 0, world_size: int = 1) -> None:
+    """Compare this rank's share of the sharded files with the checksums ``meta`` records."""
+    folder = Path(folder)
+    sums = meta.get("checksums") or {}
+    for name in sharded_share(list(sums), rank, world_size):
+        verify_checksum(folder / name, sums[name])
+
+
+def save_sharded(state: Dict[str, Any], folder: Path) -> None:
+    """Every rank writes its shard of ``state`` (DTensors) with torch.distributed.checkpoint, then fsyncs."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True))
+    if folder.is_dir():
+        fsync_dir(folder)
+
+
+def load_sharded(path: PathLike, state: Dict[str, Any]) -> Dict[str, Any]:
+    """Fill ``state`` (this run's DTensor layout, any number of ranks) from ``path/sharded`` in place. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(path) / SHARDED_DIR
+    if not folder.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint {path} has no sharded state ({folder} is missing): it was not "
+                                      f"written by a zero stage 2/3 run; load it with zero stage 0/1, or merge it")
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
+    return state
+
+
+def has_sharded_state(path: PathLike) -> bool:
+    return (Path(path) / SHARDED_DIR).is_dir()
+
+
+def merge_sharded(path: PathLike) -> Dict[str, Any]:
+    """The full (unsharded) state of ``path/sharded`` in this one process, as plain tensors."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = Path(path) / SHARDED_DIR
+    if not folder.is_dir():
+        raise CheckpointNotFoundError(f"{path} has no sharded state to merge ({folder} is missing): it was not written "
+                                      f"by a zero stage 2/3 run, and its {SHARED_FILE} already holds the whole model "
+                                      f"and optimizer; resume from the folder itself")
+    meta = read_meta(path)
+    verify_files(path, meta)
+    verify_sharded(path, meta)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "merged.pt"
+        dcp_to_torch_save(str(folder), str(out))
+        return load_file(out)

@@ -1,0 +1,234 @@
+"""Writing one checkpoint folder atomically, every rank taking part.
+
+A checkpoint is written into ``.tmp-<name>-<pid>`` and renamed into place once every rank's file
+is in it and fsynced, ``meta.json`` (with every file's size and checksum, computed as it is
+written) last. A process killed at any instant therefore leaves no folder that looks complete and
+is not. What happens once the folder is in place (pointers, retention) is the caller's policy,
+run by rank 0 inside the same agreement, so its failure raises on every rank too.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from .._version import __version__
+from ..core.global_context import global_context as gpc
+from .io import (
+    TMP_PREFIX,
+    CheckpointWriteError,
+    _describe_os_error,
+    fsync_dir,
+    save_file,
+    tensor_bytes,
+    to_jsonable,
+    to_plain,
+    write_json,
+)
+from .layout import (
+    FORMAT,
+    FORMAT_VERSION,
+    META_FILE,
+    NAME_RE,
+    SHARDED_DIR,
+    SHARED_FILE,
+    check_name,
+    complete_checkpoints,
+    rank_file,
+    remove,
+)
+from .pointers import read_pointer
+from .ranks import Ranks
+from .sharded import save_sharded, sharded_checksums
+
+USE_GPC_CONFIG = object()  # the default ``config``: the launched run's ``gpc.config``
+
+# run by rank 0 once the folder is in place: (folder, the metrics as recorded in its meta.json)
+OnComplete = Callable[[Path, Dict[str, Any]], None]
+
+
+def write_checkpoint(checkpoint_dir: Path, name: str, shared_state: Optional[Dict[str, Any]],
+                     rank_state: Optional[Dict[str, Any]], metrics: Optional[Dict[str, Any]], *,
+                     epoch: Optional[int], step: Optional[int], config: Any,
+                     sharded_state: Optional[Dict[str, Any]], save_best: Optional[Tuple[str, str]],
+                     on_complete: OnComplete) -> Path:
+    """Write one checkpoint folder and return it (see ``CheckpointManager.save``). Collective.
+
+    ``save_best`` is recorded in the metadata; ``on_complete`` runs on rank 0 after the rename.
+    A failure on any rank raises on every rank and leaves earlier checkpoints as they were.
+    """
+    check_name(name)
+    ranks = Ranks()
+    epoch, step = _numbers_from(name, epoch, step)
+    error: Optional[BaseException] = None
+    shared_plain = rank_plain = None
+    metrics_plain: Dict[str, Any] = {}
+    try:
+        rank_plain = to_plain({} if rank_state is None else rank_state, "rank_state")
+        if ranks.rank == 0:
+            if not isinstance(shared_state, dict):
+                raise TypeError(f"shared_state must be a dict, got {type(shared_state).__name__}")
+            shared_plain = to_plain(shared_state, "shared_state")
+            metrics_plain = {str(k): _metric_value(v) for k, v in (metrics or {}).items()}
+    except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
+        error = e
+    target, tmp = _make_folder(checkpoint_dir, ranks, name, error)
+    checksums = _write_files(checkpoint_dir, ranks, target, tmp, shared_plain, rank_plain, sharded_state)
+
+    # rank 0 completes it: metadata, rename into place, then the caller's policy
+    if ranks.rank == 0:
+        try:
+            meta = _meta(checkpoint_dir, tmp, target, shared_plain, metrics_plain, epoch, step, config, checksums,
+                         save_best, ranks.world_size)
+            _commit(checkpoint_dir, tmp, target, meta)
+            on_complete(target, metrics_plain)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
+            error = _write_error(checkpoint_dir, target, e) \
+                if type(e) is not CheckpointWriteError and isinstance(e, OSError) else e
+            if tmp.exists():
+                remove(tmp)
+    ranks.agree(error, f"checkpoint {target} was not completed")
+    return target
+
+
+def _numbers_from(name: str, epoch: Optional[int], step: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
+    """``epoch`` and ``step``, each defaulting to the number in a ``checkpoint_name``-style ``name``."""
+    if epoch is None or step is None:
+        m = NAME_RE.search(name)
+        if m:
+            epoch = int(m.group(1)) if epoch is None else epoch
+            step = int(m.group(2)) if step is None else step
+    return epoch, step
+
+
+def _metric_value(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().float().item() if v.numel() == 1 else to_jsonable(v)
+    if hasattr(v, "item") and callable(v.item):  # NumPy scalars
+        try:
+            return v.item()
+        except (TypeError, ValueError):
+            pass
+    return to_jsonable(v)
+
+
+def _make_folder(checkpoint_dir: Path, ranks: Ranks, name: str, error: Optional[BaseException]) -> Tuple[Path, Path]:
+    """Rank 0 makes the temporary folder (under a free name); every rank gets ``(target, tmp)``. Collective."""
+    target = checkpoint_dir / name
+    tmp: Optional[Path] = None
+    final = name
+    if ranks.rank == 0 and error is None:
+        try:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            final = _free_name(checkpoint_dir, name)
+            target = checkpoint_dir / final
+            tmp = checkpoint_dir / f"{TMP_PREFIX}{final}-{os.getpid()}"
+            if tmp.exists():
+                remove(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            error = _write_error(checkpoint_dir, target, e)
+    ranks.agree(error, f"checkpoint {target} was not written", lambda: tmp is not None and remove(tmp))
+    final, tmp_name = ranks.broadcast((final, None if tmp is None else tmp.name))
+    return checkpoint_dir / final, checkpoint_dir / tmp_name
+
+
+def _write_files(checkpoint_dir: Path, ranks: Ranks, target: Path, tmp: Path, shared_plain, rank_plain,
+                 sharded_state: Optional[Dict[str, Any]]) -> Dict[str, str]:
+    """Every rank writes its own file(s) into ``tmp``; returns every file's checksum (all ranks). Collective."""
+    error: Optional[BaseException] = None
+    sums: Dict[str, str] = {}
+    try:
+        if not tmp.is_dir():
+            raise CheckpointWriteError(f"could not write checkpoint {target}: the folder {tmp} made by rank 0 is "
+                                       f"not visible on rank {ranks.rank}; checkpoint_dir must be on a "
+                                       f"filesystem every rank shares")
+        if ranks.rank == 0:
+            sums[SHARED_FILE] = save_file(shared_plain, tmp / SHARED_FILE)
+        sums[rank_file(ranks.rank)] = save_file(rank_plain, tmp / rank_file(ranks.rank))
+    except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
+        error = _write_error(checkpoint_dir, target, e) \
+            if type(e) is not CheckpointWriteError and isinstance(e, OSError) else e
+    checksums = _merged(ranks.agree(error, f"checkpoint {target} was not written",
+                                    lambda: ranks.rank == 0 and remove(tmp), payload=sums))
+    if sharded_state is not None:
+        sums = {}
+        try:
+            save_sharded(sharded_state, tmp / SHARDED_DIR)
+            sums = sharded_checksums(tmp, ranks.rank, ranks.world_size)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
+            error = _write_error(checkpoint_dir, target, e) if isinstance(e, OSError) else e
+        checksums.update(_merged(ranks.agree(error, f"checkpoint {target} was not written",
+                                             lambda: ranks.rank == 0 and remove(tmp), payload=sums)))
+    return checksums
+
+
+def _merged(dicts) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for d in dicts:
+        out.update(d or {})
+    return out
+
+
+def _free_name(checkpoint_dir: Path, name: str) -> str:
+    final, k = name, 0
+    while (checkpoint_dir / final).exists():
+        k += 1
+        final = f"{name}-v{k}"
+    return final
+
+
+def _write_error(checkpoint_dir: Path, target: Path, e: OSError) -> CheckpointWriteError:
+    where = f" ({e.filename})" if getattr(e, "filename", None) and str(e.filename) != str(target) else ""
+    last = read_pointer(checkpoint_dir / "last")
+    kept = f"; the previous checkpoint ({checkpoint_dir / last}) is untouched" if last else ""
+    err = CheckpointWriteError(f"could not write checkpoint {target}{where}: {_describe_os_error(e)}{kept}")
+    err.__cause__ = e
+    return err
+
+
+def _file_sizes(tmp: Path, target: Path, world_size: int) -> Dict[str, int]:
+    """The size of every file in ``tmp``; every rank's file must be there (a folder every rank shares)."""
+    files = {}
+    for fname in [SHARED_FILE] + [rank_file(r) for r in range(world_size)]:
+        p = tmp / fname
+        if not p.is_file():
+            raise CheckpointWriteError(f"could not write checkpoint {target}: {fname} is missing from {tmp}; "
+                                       f"checkpoint_dir must be on a filesystem every rank shares")
+        files[fname] = p.stat().st_size
+    if (tmp / SHARDED_DIR).is_dir():
+        for p in sorted((tmp / SHARDED_DIR).iterdir()):
+            files[f"{SHARDED_DIR}/{p.name}"] = p.stat().st_size
+    return files
+
+
+def _meta(checkpoint_dir: Path, tmp: Path, target: Path, shared: Dict[str, Any], metrics: Dict[str, Any],
+          epoch: Optional[int], step: Optional[int], config: Any, checksums: Dict[str, str],
+          save_best: Optional[Tuple[str, str]], world_size: int) -> Dict[str, Any]:
+    """The ``meta.json`` of the folder being written in ``tmp``."""
+    files = _file_sizes(tmp, target, world_size)
+    if config is USE_GPC_CONFIG:
+        config = gpc.config
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "name": target.name,
+        "seq": 1 + max((int(m.get("seq", 0)) for _, m in complete_checkpoints(checkpoint_dir)), default=0),
+        "epoch": epoch, "step": step, "metrics": metrics, "world_size": world_size,
+        "created": time.time(), "created_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "version": __version__, "torch_version": torch.__version__,
+        "config": None if config is None else to_jsonable(config),
+        "files": files,
+        "checksums": {name: checksums[name] for name in files if name in checksums},
+        "entries": {str(k): tensor_bytes(v) for k, v in shared.items()},
+        "save_best": list(save_best) if save_best else None,
+    }
+
+
+def _commit(checkpoint_dir: Path, tmp: Path, target: Path, meta: Dict[str, Any]) -> None:
+    """Write ``meta.json`` last and rename the folder into place, each step fsynced."""
+    write_json(tmp / META_FILE, meta)
+    fsync_dir(tmp)
+    os.rename(tmp, target)
+    fsync_dir(checkpoint_dir)
