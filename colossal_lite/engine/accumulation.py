@@ -8,8 +8,8 @@ so it works out each micro-batch's place (``MicroBatch``) and announces it befor
 whether the coming backward synchronises gradients:
 
 - a loader with ``len``: arithmetic on the index and the length (``AccumulationWindow.plan``);
-- a loader without one: a one-batch look-ahead tells which batch is the epoch's last; a window it cuts
-  short had its first losses divided by ``size``, so its gradients are rescaled by size / r at the step;
+- a loader without one: at each window's first batch the rest of the window and one batch more are read
+  ahead, so a window the epoch cuts short is known to have r < size micro-batches before its first forward;
 - a user's own loop over a loader ``initialize`` did not wrap: the engine counts ``engine.step()`` calls
   (legacy Colossal-AI's rule), every window has ``size`` micro-batches.
 
@@ -17,6 +17,7 @@ The only state is ``micro_step``, the micro-batches begun in the open window; it
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Iterable, Iterator, List, NamedTuple, Optional
 
 import torch
@@ -30,7 +31,6 @@ class MicroBatch(NamedTuple):
     divisor: int  # micro-batches in its window: a mean loss is weighed by 1 / divisor
     first: bool  # it opens the window (gradients are cleared before it)
     last: bool  # it closes the window (the optimizer steps after it)
-    correction: float = 1.0  # gradient factor at the step, for a window an unsized loader's epoch cut short
 
 
 class AccumulationWindow:
@@ -62,13 +62,6 @@ class AccumulationWindow:
     def plans(self, length: int) -> List[MicroBatch]:
         """The place of every micro-batch of an epoch of ``length`` (worked out once per epoch)."""
         return [self.plan(i, length) for i in range(length)]
-
-    def plan_unsized(self, index: int, is_epoch_end: bool) -> MicroBatch:
-        """Place of micro-batch ``index`` when only a look-ahead says whether it ends the epoch."""
-        position = index % self.size
-        last = is_epoch_end or position == self.size - 1
-        correction = self.size / (position + 1) if last else 1.0
-        return MicroBatch(self.size, position == 0, last, correction)
 
     def counted(self) -> MicroBatch:
         """Place of the next micro-batch when nobody said where the epoch ends: every window is full."""
@@ -178,14 +171,26 @@ class AccumulationDataLoader:
                 window.expect(window.plan(i, length))
                 yield batch
             return
-        it = iter(self.loader)
-        nxt = next(it, _END)
-        i = 0
-        while nxt is not _END:
-            batch, nxt = nxt, next(it, _END)
-            window.expect(window.plan_unsized(i, nxt is _END))
-            yield batch
-            i += 1
+        yield from self._read_ahead(iter(self.loader))
+
+    def _read_ahead(self, it: Iterator) -> Iterator:
+        """A loader without ``len``: at each window's first batch, the rest of the window and one batch more are
+        read, so the window's real size is known before its first forward (a window the epoch cuts short divides
+        its losses by its own size, as with a length). Holds at most ``size + 1`` batches."""
+        window, ahead, read = self.window, deque(), 0
+        while True:
+            index = read - len(ahead)  # the epoch's index of the next batch to hand out
+            if index % window.size == 0:
+                while len(ahead) < window.size + 1:
+                    batch = next(it, _END)
+                    if batch is _END:
+                        break
+                    ahead.append(batch)
+                    read += 1
+            if not ahead:
+                return
+            window.expect(window.plan(index, read))  # ``read`` is past the window's end unless the epoch ends in it
+            yield ahead.popleft()
 
 
 _END = object()

@@ -43,9 +43,8 @@ class MeanReduction:
         return weight
 
     def finish(self, params, closing: MicroBatch) -> None:
-        """The window's gradients are summed (and reduced over ranks): make them the chosen reduction."""
-        if closing.correction != 1.0:
-            rescale_grads_(params, closing.correction)
+        """The window's gradients are summed (and reduced over ranks): make them the chosen reduction (the mean
+        is already made: each loss was weighed by 1 / its window's size)."""
 
     def reset(self) -> None:
         """A window opens (the last one was applied, skipped or abandoned): nothing of it is kept."""
