@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-import torch.distributed as dist
-
 from ..core import dist as cl_dist
 from .io import (
     CheckpointDamagedError,
@@ -24,11 +22,7 @@ class Ranks:
         self.distributed = self.world_size > 1
 
     def all_gather(self, obj) -> list:
-        if not self.distributed:
-            return [obj]
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        return cl_dist.all_gather_object(obj)
 
     def broadcast(self, obj):
         return cl_dist.broadcast_object(obj)
@@ -54,8 +48,7 @@ class Ranks:
                 on_failure()
             except OSError:
                 pass  # e.g. a read-only file system: there is nothing to clean up, and the error says why
-        if self.distributed:
-            dist.barrier()  # every rank sees the cleaned-up folder when the error surfaces
+        cl_dist.barrier()  # every rank sees the cleaned-up folder when the error surfaces
         if error is not None:
             raise error
         rank, (kind, message) = failed[0]

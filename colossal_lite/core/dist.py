@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from ..logging import DistributedLogger, get_dist_logger
 
-__all__ = ["is_distributed", "world_size", "rank", "is_rank_0", "broadcast_object", "all_agree", "all_reduce_sum_",
-           "all_reduce_min_", "all_gather_rows", "log_rank_0"]
+__all__ = ["is_distributed", "world_size", "rank", "is_rank_0", "broadcast_object", "all_gather_object", "barrier",
+           "all_agree", "all_reduce_sum_", "all_reduce_min_", "all_reduce_max_", "all_gather_rows", "collective_device", "log_rank_0"]
 
 
 def is_distributed() -> bool:
@@ -33,6 +33,14 @@ def is_rank_0() -> bool:
     return rank() == 0
 
 
+def collective_device() -> torch.device:
+    """Where the default process group's collectives take tensors: this rank's GPU for nccl, else the CPU (also
+    with no process group, where nothing is communicated)."""
+    if is_distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` (any picklable object) on every rank."""
     if world_size() == 1:
@@ -40,6 +48,21 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def all_gather_object(obj: Any) -> List[Any]:
+    """Every rank's ``obj`` (any picklable object), in rank order."""
+    if world_size() == 1:
+        return [obj]
+    out: List[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    """Wait until every rank has reached this call."""
+    if world_size() > 1:
+        dist.barrier()
 
 
 def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
@@ -53,6 +76,13 @@ def all_reduce_min_(tensor: torch.Tensor) -> torch.Tensor:
     """The smallest value of ``tensor`` over the ranks, in place; returns it."""
     if world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return tensor
+
+
+def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
+    """The largest value of ``tensor`` over the ranks, in place; returns it."""
+    if world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
 
 

@@ -18,9 +18,8 @@ import math
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from ..core.dist import world_size
+from ..core.dist import all_reduce_min_, collective_device, world_size
 
 __all__ = ["NonFiniteLossError", "IgnoreNonFinite", "RaiseOnNonFinite", "SkipNonFinite", "build_loss_guard",
            "NONFINITE_LOSS_CHOICES"]
@@ -126,8 +125,8 @@ class RaiseOnNonFinite(IgnoreNonFinite):
         found = self._first_bad_step()
         step, exact = found if found is not None else (_NONE, True)
         if world > 1:  # the earliest step over the ranks, and whether that rank knew it exactly
-            flags = torch.tensor([step * 2 + (0 if exact else 1)], dtype=torch.int64, device=_collective_device())
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            flags = torch.tensor([step * 2 + (0 if exact else 1)], dtype=torch.int64, device=collective_device())
+            all_reduce_min_(flags)
             code = int(flags.item())
             step, exact = code // 2, code % 2 == 0
         if step == _NONE:
@@ -169,19 +168,12 @@ class SkipNonFinite(IgnoreNonFinite):
         total = self._window_sum
         ok = torch.ones((), dtype=torch.int64) if total is None else total.isfinite().to(torch.int64)
         if world_size() > 1:
-            ok = ok.to(_collective_device())
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            ok = ok.to(collective_device())
+            all_reduce_min_(ok)
         if bool(ok):  # the one host read per update: 'skip' decides on the host whether the optimizer steps
             return True
         self.skipped += 1
         return False
-
-
-def _collective_device() -> torch.device:
-    """Where the default process group's collectives take tensors (the GPU for nccl)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def build_loss_guard(choice: str, precision) -> IgnoreNonFinite:

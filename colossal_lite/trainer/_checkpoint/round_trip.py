@@ -7,11 +7,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ...checkpoint import CheckpointManager, checkpoint_name, to_plain
 from ...checkpoint.io import format_bytes
-from ...core.dist import all_agree, broadcast_object, is_distributed, is_rank_0, rank, world_size
+from ...core.dist import (
+    all_agree,
+    barrier,
+    broadcast_object,
+    collective_device,
+    is_rank_0,
+    rank,
+)
 from ...core.tree import iter_leaves, map_leaves
 from .contents import name_epoch, trainer_checkpoint_state
 
@@ -68,12 +74,10 @@ def checkpoint_round_trip(trainer, train_loader=None) -> str:
     except Exception as e:  # noqa: BLE001 - reported in the verdict
         ok, why, size = False, f"{type(e).__name__}: {e}", 0
     finally:
-        if world_size() > 1:
-            dist.barrier()
+        barrier()
         if is_rank_0():
             shutil.rmtree(folder, ignore_errors=True)
-    gloo = is_distributed() and dist.get_backend() == "gloo"
-    ok = all_agree(ok, "cpu" if gloo or not is_distributed() else trainer.engine.device)
+    ok = all_agree(ok, collective_device())
     if not ok:
         return f"checkpoint round trip FAILED ({why or 'on another rank'})"
     took = time.perf_counter() - start

@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
-import torch.distributed as dist
 
 from ...checkpoint import CheckpointManager
-from ...core.dist import is_distributed, log_rank_0, world_size
+from ...core.dist import all_reduce_max_, collective_device, log_rank_0, world_size
 from ...launch import preemption_exit_note, under_torchrun
 from ..hooks._checkpoint_hook import SaveCheckpointHook
 from .preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, signal_name
@@ -51,8 +50,7 @@ class CheckpointSession:
         self._since = 0  # step boundaries since the last agreement
         self._every = 1  # step boundaries between two agreements
         self._last_check = time.perf_counter()
-        nccl = is_distributed() and dist.get_backend() != "gloo"
-        self._device = trainer.engine.device if nccl else torch.device("cpu")
+        self._device = collective_device()
 
     # -- resume -------------------------------------------------------------------------------
     def _manager_for(self, resume_from) -> CheckpointManager:
@@ -166,7 +164,7 @@ class CheckpointSession:
         else:
             now = time.perf_counter()
             buf = torch.tensor([float(self._received or 0), now - self._last_check], device=self._device)
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX)  # any rank's signal; the slowest rank's time
+            all_reduce_max_(buf)  # any rank's signal; the slowest rank's time
             flag, elapsed = buf.tolist()
             per_step = elapsed / max(self._since, 1)
             self._every = max(1, min(self.max_check_every, int(self.check_s / max(per_step, 1e-6))))
