@@ -215,7 +215,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
                     schedule=NonPipelineSchedule(data_process_func), device=device,
                     grad_reduction=setting(config, "grad_reduction"), compiled=bool(compile_cfg),
                     nonfinite_loss=setting(config, "nonfinite_loss"))
-    gpc._engines.add(engine)
+    gpc.add_engine(engine)
     if auto:
         engine.auto_batcher = AutoMicroBatcher(logger)
     if train_dataloader is not None:

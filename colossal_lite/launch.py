@@ -69,12 +69,10 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
     on_gpu = _wants_gpu(device)
     backend = _backend_for(backend, on_gpu, world_size)
     timeout = float(timeout if timeout is not None else cfg.get("dist_timeout", DEFAULT_TIMEOUT_S))
-    gpc._config = cfg
-    gpc.verbose = verbose
-    gpc._local_rank = local_rank if local_rank is not None else rank
-    if local_rank is None and on_gpu:
-        gpc._local_rank = rank % torch.cuda.device_count()
-    device = gpc.set_device(gpc._local_rank) if on_gpu else gpc.use_cpu()
+    if local_rank is None:
+        local_rank = rank % torch.cuda.device_count() if on_gpu else rank
+    gpc.begin_launch(cfg, local_rank, verbose)
+    device = gpc.set_device(local_rank) if on_gpu else gpc.use_cpu()
 
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
@@ -82,7 +80,7 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
                                f"but launch was asked for rank {rank} of {world_size}; call gpc.destroy() first")
     else:
         _start_group(backend, rank, world_size, host, port, timeout, device)
-    gpc._launched = True
+    gpc.finish_launch()
     gpc.set_seed(seed)
     if verbose:
         get_dist_logger().info(
@@ -151,7 +149,7 @@ def _start_group(backend: str, rank: int, world_size: int, host, port, timeout: 
             f"({type(e).__name__}: {e}). Check that all {world_size} processes were started, that "
             f"MASTER_ADDR/MASTER_PORT (host/port) are the same for all of them and reachable, "
             f"or raise the limit with launch(..., timeout=SECONDS) or dist_timeout in the config") from e
-    gpc._owns_group = True
+    gpc.own_group()
     destroy_group_at_exit()
 
 

@@ -43,6 +43,25 @@ class GlobalContext:
         """The live engines ``initialize`` built, so ``save_checkpoint`` can find the one that owns a model."""
         return tuple(self._engines)
 
+    def add_engine(self, engine) -> None:
+        """An engine ``initialize`` built: listed in ``engines``, detached from the group by ``destroy``."""
+        self._engines.add(engine)
+
+    # -- what launch sets ------------------------------------------------------------------------
+    def begin_launch(self, config: Config, local_rank: int, verbose: bool) -> None:
+        """``launch`` starts: the checked config, this process's local rank, whether to print."""
+        self._config = config
+        self._local_rank = local_rank
+        self.verbose = verbose
+
+    def own_group(self) -> None:
+        """``launch`` started the process group, so ``destroy`` (or the exit) ends it."""
+        self._owns_group = True
+
+    def finish_launch(self) -> None:
+        """The process group is up (started by ``launch`` or found running): the process is launched."""
+        self._launched = True
+
     # -- config ----------------------------------------------------------------------------
     @property
     def config(self) -> Optional[Config]:
