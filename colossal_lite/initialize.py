@@ -20,6 +20,8 @@ from .engine.accumulation import AccumulationDataLoader, AccumulationWindow
 from .engine.auto_batch import AutoMicroBatcher
 from .engine.engine import Engine, EngineLRScheduler
 from .engine.gradient_handler import DataParallelGradientHandler
+from .engine.loss_guard import build_loss_guard
+from .engine.reduction import build_reduction
 from .engine.schedule import NonPipelineSchedule
 from .engine.strategy import AllReduceStrategy, DDPStrategy, HandlerStrategy, SingleProcess, broadcast_module
 from .engine.zero import FSDPStrategy, ZeroStage1Strategy
@@ -213,11 +215,10 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     engine = Engine(model=model, optimizer=optimizer, criterion=criterion, precision=precision, strategy=strategy,
                     window=window, clip_grad_norm=setting(config, "clip_grad_norm"),
                     schedule=NonPipelineSchedule(data_process_func), device=device,
-                    grad_reduction=setting(config, "grad_reduction"), compiled=bool(compile_cfg),
-                    nonfinite_loss=setting(config, "nonfinite_loss"))
+                    reduction=build_reduction(setting(config, "grad_reduction")),
+                    loss_guard=build_loss_guard(setting(config, "nonfinite_loss"), precision),
+                    auto_batcher=AutoMicroBatcher(logger) if auto else None, compiled=bool(compile_cfg))
     gpc.add_engine(engine)
-    if auto:
-        engine.auto_batcher = AutoMicroBatcher(logger)
     if train_dataloader is not None:
         train_dataloader = AccumulationDataLoader(train_dataloader, window)
     if lr_scheduler is not None:

@@ -18,7 +18,7 @@ from ..amp.precision import FP32Precision
 from ..logging import get_dist_logger
 from .accumulation import AccumulationWindow, MicroBatch
 from .loss_guard import build_loss_guard
-from .reduction import build_reduction, not_a_loss
+from .reduction import MeanReduction, not_a_loss
 from .schedule import NonPipelineSchedule
 from .strategy import DDPStrategy, HandlerStrategy, SingleProcess
 
@@ -79,7 +79,8 @@ class Engine:
                  clip_grad_norm: float = 0.0, ophook_list=None, verbose: bool = True,
                  schedule: Optional[NonPipelineSchedule] = None, *, precision=None, strategy=None,
                  window: Optional[AccumulationWindow] = None, device: Optional[torch.device] = None,
-                 grad_reduction: str = "mean", compiled: bool = False, nonfinite_loss: str = "raise"):
+                 reduction: Optional[MeanReduction] = None, loss_guard=None, auto_batcher=None,
+                 compiled: bool = False):
         if ophook_list:
             raise ValueError("Engine(ophook_list=...): op-hooks (Gemini) are not supported by colossal_lite; "
                              "remove the argument (a torch module hook or a Trainer hook can do what yours did)")
@@ -89,19 +90,18 @@ class Engine:
         self.precision = precision or FP32Precision()
         self.strategy = _strategy_with_handlers(strategy, gradient_handlers)
         self.window = window or AccumulationWindow(1)
-        self.reduction = build_reduction(grad_reduction)
+        self.reduction = reduction or MeanReduction()
         self.clip_grad_norm = float(clip_grad_norm or 0.0)
         self.schedule = schedule or NonPipelineSchedule()
         self.device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
         self.training = True
         self.num_updates = 0  # optimizer steps really applied (skipped fp16 steps do not count)
         self.grad_norm: Optional[torch.Tensor] = None  # global L2 norm of the last update, on the device
-        self.auto_batcher = None  # an AutoMicroBatcher with gradient_accumulation='auto'
+        self.auto_batcher = auto_batcher  # an AutoMicroBatcher with gradient_accumulation='auto'
         self._compile_pending = compiled  # True until the first forward of a torch.compile'd model
         self.compile_time_s: Optional[float] = None
         self._criterion_call = _Criterion(self)
-        self.nonfinite_loss = nonfinite_loss
-        self.loss_guard = build_loss_guard(nonfinite_loss, self.precision)
+        self.loss_guard = loss_guard or build_loss_guard("raise", self.precision)
         self._warned_idle_step = False  # step() with no backward since the last update: said once
         self._params = self.precision.master_params(model, optimizer)
         optimizer.register_step_post_hook(self._count_update)
@@ -131,6 +131,10 @@ class Engine:
     @property
     def grad_reduction(self) -> str:
         return self.reduction.name
+
+    @property
+    def nonfinite_loss(self) -> str:
+        return self.loss_guard.choice
 
     @property
     def uses_pipeline(self) -> bool:

@@ -34,6 +34,8 @@ class NonFiniteLossError(FloatingPointError):
 class IgnoreNonFinite:
     """The do-nothing guard: every update goes ahead and nothing is checked."""
 
+    choice = "ignore"  # the config's ``nonfinite_loss`` this guard was built for
+
     def watch(self, loss: torch.Tensor) -> None:
         pass
 
@@ -181,5 +183,8 @@ def build_loss_guard(choice: str, precision) -> IgnoreNonFinite:
     if choice not in NONFINITE_LOSS_CHOICES:
         raise ValueError(f"nonfinite_loss must be one of {NONFINITE_LOSS_CHOICES}, got {choice!r}")
     if choice == "ignore" or getattr(precision, "skips_nonfinite_steps", False):
-        return IgnoreNonFinite()
-    return RaiseOnNonFinite() if choice == "raise" else SkipNonFinite()
+        guard = IgnoreNonFinite()
+    else:
+        guard = RaiseOnNonFinite() if choice == "raise" else SkipNonFinite()
+    guard.choice = choice  # what the config asked for (fp16's scaler may stand in for it)
+    return guard
