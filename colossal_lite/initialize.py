@@ -159,7 +159,7 @@ def _compose(config, model: nn.Module, optimizer, world_size: int):
     ``torch.compile`` when asked) -> ``(model, optimizer, precision, strategy)``."""
     precision = build_precision(config.get("fp16"))
     strategy = _build_strategy(config, world_size, precision)
-    precision.sharded_gradients = getattr(strategy, "shards_gradients", False)
+    precision.shards_state = strategy.shards_state
     model, optimizer = precision.setup(model, optimizer)
     model, optimizer = strategy.setup(model, optimizer)
     compile_cfg = config.get("compile")

@@ -55,7 +55,7 @@ class FP32Precision:
     mode: Optional[AMP_TYPE] = None
     name = "fp32"
     compute_dtype: Optional[torch.dtype] = None  # what FSDP2 should gather parameters in
-    sharded_gradients = False  # set by initialize when each rank holds only a shard of the gradients
+    shards_state = False  # set by initialize when each rank holds only a shard of the gradients
 
     def setup(self, model: nn.Module, optimizer) -> Tuple[nn.Module, object]:
         return model, optimizer
@@ -131,7 +131,7 @@ class TorchAMPPrecision(FP32Precision):
 
     def setup(self, model, optimizer):
         self.device_type = _device_type(model)
-        if self.sharded_gradients:  # the overflow flag must be agreed by all ranks holding shards
+        if self.shards_state:  # the overflow flag must be agreed by all ranks holding shards
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.scaler = ShardedGradScaler(self.device_type, **self.options)

@@ -333,7 +333,7 @@ class Engine:
     @property
     def shards_state(self) -> bool:
         """True with ZeRO stage 2/3: model and optimizer state live as shards across ranks."""
-        return getattr(self.strategy, "shards_gradients", False)
+        return self.strategy.shards_state
 
     def sharded_state_dict(self) -> Dict[str, Any]:
         """Model and optimizer state as this rank's shards (DTensors), for torch.distributed.checkpoint."""

@@ -45,6 +45,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
 
 class SingleProcess:
     name = "single process"
+    shards_state = False  # True where each rank holds only a shard of the parameters, gradients and optimizer state
 
     def setup(self, model: nn.Module, optimizer):
         return model, optimizer

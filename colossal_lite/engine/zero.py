@@ -147,7 +147,7 @@ NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RM
 class FSDPStrategy(SingleProcess):
     """FSDP2: gradients and optimizer state sharded (stage 2), parameters too (stage 3)."""
 
-    shards_gradients = True
+    shards_state = True
 
     def __init__(self, stage: int = 3, shard_modules: Optional[Sequence[str]] = None, offload_optimizer: bool = False,
                  reshard_after_forward: Optional[bool] = None, param_dtype: Optional[torch.dtype] = None):
