@@ -294,6 +294,8 @@ class Trainer:
         self.history = History()  # every fit's recorded metric values (docs/metrics.md)
         self._recorder: Optional[Recorder] = None  # records the running fit's values into the history
         self._pending_tracker_states: Optional[Dict[str, Any]] = None
+        self._objects: Dict[str, Any] = {}  # the user's stateful objects, by key (register_for_checkpointing)
+        self._pending_object_states: Dict[str, Any] = {}  # restored before their object was registered
 
     # -- legacy properties -----------------------------------------------------------------------
     @property
@@ -778,17 +780,41 @@ class Trainer:
                 return key
         raise ValueError(f"{hook!r} is not attached to this trainer")
 
+    def register_for_checkpointing(self, obj: Any, key: Optional[str] = None) -> str:
+        """Keep ``obj``'s state in every checkpoint of this trainer and give it back on resume: any object with
+        ``state_dict()`` and ``load_state_dict(state)`` (a sampler of your own, a torch ``Generator`` wrapper, a
+        second optimizer, a data-augmentation schedule). ``key`` names it in the checkpoint (default: its class
+        name and its order among the registered objects of that class, ``'Curriculum.0'``); returns the key.
+        Register before ``fit``; a state restored before its object was registered is loaded when it is."""
+        for method in ("state_dict", "load_state_dict"):
+            if not callable(getattr(obj, method, None)):
+                raise TypeError(f"register_for_checkpointing: {type(obj).__name__} has no {method}(); give an object "
+                                f"with state_dict() and load_state_dict(state)")
+        if key is None:
+            kind = type(obj).__name__
+            key = f"{kind}.{sum(k.rsplit('.', 1)[0] == kind for k in self._objects)}"
+        if key in self._objects and self._objects[key] is not obj:
+            raise ValueError(f"register_for_checkpointing: the key {key!r} is taken by another object; give another")
+        self._objects[key] = obj
+        if key in self._pending_object_states:
+            obj.load_state_dict(self._pending_object_states.pop(key))
+        return key
+
+    def object_states(self) -> Dict[str, Any]:
+        """The ``state_dict()`` of each registered object, by key."""
+        return {key: obj.state_dict() for key, obj in self._objects.items()}
+
     def state_dict(self) -> Dict[str, Any]:
         """Progress, the ``state_dict()`` of each attached hook that has one (keys like ``'EarlyStoppingHook.0'``),
-        the history and the running fit's trackers' states. Inside ``fit``, call ``flush_metrics()`` first on
-        every rank for the per-step values not yet read (a checkpoint does)."""
+        of each registered object, the history and the running fit's trackers' states. Inside ``fit``, call
+        ``flush_metrics()`` first on every rank for the per-step values not yet read (a checkpoint does)."""
         hooks = {}
         for key, hook in self.keyed_hooks():
             state = hook.state_dict()
             if state:
                 hooks[key] = state
         return {"progress": self.state.state_dict(), "hooks": hooks, "history": self.history.state_dict(),
-                "trackers": self.tracker_states()}
+                "trackers": self.tracker_states(), "objects": self.object_states()}
 
     def tracker_states(self) -> Dict[str, Any]:
         """The ``state_dict()`` of each tracker of the running fit that has one (keys like ``'MLflowTracker.0'``)."""
@@ -817,6 +843,11 @@ class Trainer:
             self._recorder.load_tracker_states(trackers)
         elif trackers:
             self._pending_tracker_states = trackers
+        for key, object_state in (state.get("objects") or {}).items():
+            if key in self._objects:
+                self._objects[key].load_state_dict(object_state)
+            else:
+                self._pending_object_states[key] = object_state
 
     def _load_hook_states(self, states: Dict[str, Any]) -> None:
         for key, hook in self.keyed_hooks():

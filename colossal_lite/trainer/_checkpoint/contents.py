@@ -120,7 +120,8 @@ def trainer_checkpoint_state(trainer, train_loader=None) -> Tuple[Dict[str, Any]
         "engine": engine.state_dict_without_shards() if sharded is not None else engine.state_dict(),
         "lr_schedulers": hooks["lr_schedulers"],
         "trainer": {"progress": trainer.state.state_dict(), "hooks": hooks["trainer"],
-                    "history": trainer.history.state_dict(), "trackers": trainer.tracker_states()},
+                    "history": trainer.history.state_dict(), "trackers": trainer.tracker_states(),
+                    "objects": trainer.object_states()},
         "hooks": {},
         "colossal_lite": {"version": __version__, "world_size": world_size(), "format": TRAINER_FORMAT},
     }

@@ -58,7 +58,8 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
         return path
     saved = shared.get("trainer") or {}
     trainer.load_state_dict({"progress": saved.get("progress", {}), "hooks": _hook_states_to_load(trainer, path, shared),
-                             "history": saved.get("history"), "trackers": saved.get("trackers")})
+                             "history": saved.get("history"), "trackers": saved.get("trackers"),
+                             "objects": saved.get("objects")})
     trainer.restored_from = path
     same_world = _same_world(shared)
     rank_state = rank_state if rank_state is not None else {}
