@@ -104,7 +104,7 @@ class Recorder(BaseHook):
         self.flush()
         session = trainer.checkpoints
         preempted = session is not None and session.preempted is not None
-        final = session.save_hooks[0].last_path if session is not None and session.save_hooks else None
+        final = session.last_saved if session is not None else None
         if self._writes and final is not None and not preempted:
             for tracker in self.trackers:
                 tracker.log_checkpoint(final)

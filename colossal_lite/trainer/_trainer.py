@@ -32,7 +32,6 @@ from .checkpointing import CheckpointSession, checkpoint_round_trip
 from .events import Event
 from .history import History
 from .hooks._base_hook import BaseHook
-from .hooks._checkpoint_hook import SaveCheckpointHook
 from .hooks._utils import keyed_by_class, resolve_metric
 from .progress import NO_PROGRESS, make_progress
 from .state import State
@@ -257,8 +256,7 @@ def _run_trackers(trackers, log_dir, hooks) -> Tuple[List[Tracker], Optional[Pat
     if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
         raise TypeError(f"fit(log_dir={log_dir!r}): give a folder path, None (the checkpoint folder) or False (none)")
     folder = Path(log_dir) if log_dir is not None else next(
-        (hook.checkpoint_dir for hook in hooks or () if isinstance(hook, SaveCheckpointHook) and hook.file is None),
-        None)
+        (folder for folder in (getattr(hook, "run_folder", None) for hook in hooks or ()) if folder is not None), None)
     if folder is not None and not any(isinstance(t, MetricsFile) for t in trackers):
         trackers = [MetricsFile()] + trackers
     return trackers, folder

@@ -14,7 +14,6 @@ import torch
 from ...checkpoint import CheckpointManager
 from ...core.dist import all_reduce_max_, collective_device, log_rank_0, world_size
 from ...launch import preemption_exit_note, under_torchrun
-from ..hooks._checkpoint_hook import SaveCheckpointHook
 from .preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, signal_name
 from .restore import load_trainer_checkpoint
 
@@ -40,7 +39,7 @@ class CheckpointSession:
         self.trainer = trainer
         self.train_loader = train_loader
         self.saving = saving
-        self.save_hooks = [h for h in trainer.hooks if isinstance(h, SaveCheckpointHook)]
+        self.save_hooks = [h for h in trainer.hooks if h.saves_checkpoints]
         self.active = saving and bool(self.save_hooks)
         self.world = world_size()
         self.preempted: Optional[int] = None
@@ -51,6 +50,11 @@ class CheckpointSession:
         self._every = 1  # step boundaries between two agreements
         self._last_check = time.perf_counter()
         self._device = collective_device()
+
+    @property
+    def last_saved(self) -> Optional[Path]:
+        """The newest checkpoint the run's (first) checkpoint hook wrote or resumed from; None when none."""
+        return self.save_hooks[0].last_path if self.save_hooks else None
 
     # -- resume -------------------------------------------------------------------------------
     def _manager_for(self, resume_from) -> CheckpointManager:

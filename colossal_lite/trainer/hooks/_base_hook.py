@@ -26,6 +26,12 @@ class BaseHook:
     #: of ``fit``'s hooks are attached the trainer refuses a name that no hook provides, listing those that exist,
     #: so a misspelt name fails before the first step instead of being silently never found.
     watched_metrics: tuple = ()
+    #: True for a hook that writes the run's checkpoints (``SaveCheckpointHook``): the trainer's checkpoint
+    #: session drives it (saves at safe points, the final save, preemption) and resumes from its folder.
+    saves_checkpoints: bool = False
+    #: The folder this hook keeps the run in (a checkpoint hook's), where ``fit`` writes the metrics file when
+    #: no ``log_dir`` is given; None for hooks that keep none.
+    run_folder = None
 
     def __init__(self, priority: Optional[int] = None) -> None:
         if priority is not None:

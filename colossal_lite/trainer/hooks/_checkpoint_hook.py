@@ -89,6 +89,13 @@ class SaveCheckpointHook(BaseHook):
         self._last_position = None
         self._due = False
 
+    saves_checkpoints = True
+
+    @property
+    def run_folder(self) -> Optional[Path]:
+        """The checkpoint folder (None for the legacy single file)."""
+        return self.checkpoint_dir if self.file is None else None
+
     @property
     def manager(self) -> Optional[CheckpointManager]:
         """The ``CheckpointManager`` of the folder (built when the hook is attached to a ``fit``)."""
