@@ -148,6 +148,7 @@ def test_launch_over_tcp_with_ipv4_hostname_and_ipv6(host):
     assert t.tolist() == [1.0, 1.0]
 
 
+@pytest.mark.slow  # takes seconds without starting a process
 def test_missing_peer_ends_in_a_clear_error_within_the_timeout():
     port = free_port()
     start = time.monotonic()
@@ -163,6 +164,7 @@ def test_missing_peer_ends_in_a_clear_error_within_the_timeout():
     assert gpc.config is None and gpc.get_world_size() == 1
 
 
+@pytest.mark.slow  # takes seconds without starting a process
 def test_dist_timeout_from_the_config_is_used():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="within 1 s"):

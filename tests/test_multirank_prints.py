@@ -4,11 +4,13 @@ found)."""
 import textwrap
 from pathlib import Path
 
+import pytest
 from one_write import multi_rank_scripts, two_write_prints
 
 TESTS = Path(__file__).resolve().parent
 
 
+@pytest.mark.slow  # takes seconds without starting a process
 def test_every_print_of_a_multi_rank_script_is_one_write_of_a_whole_line():
     bad = {}
     for path in sorted(TESTS.rglob("test_*.py")):

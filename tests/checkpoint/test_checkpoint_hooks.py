@@ -155,6 +155,7 @@ def _metas(folder):
     return {p.name: json.loads((p / "meta.json").read_text()) for p in CheckpointManager(folder).list_checkpoints()}
 
 
+@pytest.mark.slow  # takes seconds without starting a process
 def test_retention_keeps_exactly_the_newest_and_best_and_best_survives_a_resume(tmp_path):
     every = dict(test_dataloader=eval_loader(), test_interval="2ba", epochs=3)
     # the reference: every checkpoint kept, so the best one can be found by reading them all

@@ -100,6 +100,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow  # takes seconds without starting a process
 def test_resume_from_any_step_or_epoch_boundary_equals_the_uninterrupted_run(tmp_path, case):
     spec = CASES[case]
     opts = dict(by_epoch=spec.get("by_epoch", False), test=spec.get("test", False))

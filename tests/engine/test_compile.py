@@ -1,4 +1,5 @@
 """compile=...: the model runs through torch.compile and trains to the same parameters as eager."""
+import pytest
 import torch
 from engine_helpers import make_batches, make_model
 
@@ -21,6 +22,7 @@ def run(config, launched):
     return engine
 
 
+@pytest.mark.slow  # takes seconds without starting a process
 def test_compiled_model_matches_eager(launched):
     eager = run({}, launched)
     compiled = run(dict(compile=dict(backend="aot_eager")), launched)

@@ -179,36 +179,49 @@ TWO_RANKS = textwrap.dedent('''
     from colossal_lite.engine.loss_guard import NonFiniteLossError
     from colossal_lite.trainer import Trainer, hooks
 
-    mode, out = sys.argv[1], sys.argv[2]
-    colossal_lite.launch_from_torch(config=dict(nonfinite_loss=mode), verbose=False)
-    rank = gpc.get_global_rank()
-    g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(4, 6, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(6)]
-    if rank == 1:  # only rank 1 sees the bad batch, at its fourth step
-        batches[3] = (torch.full((4, 6), float("nan")), batches[3][1])
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine, loader, _, _ = colossal_lite.initialize(model, opt, torch.nn.CrossEntropyLoss(), batches, verbose=False)
-    result = {}
-    try:
-        Trainer(engine).fit(loader, epochs=1, hooks=[hooks.LossHook()])
-    except NonFiniteLossError as err:
-        result["error"] = str(err)
-    result["updates"] = engine.num_updates
-    result["finite"] = all(bool(torch.isfinite(p).all()) for p in engine.unwrapped_model.parameters())
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(result, f)
-    gpc.destroy()
+    def run(mode, out):
+        colossal_lite.launch_from_torch(config=dict(nonfinite_loss=mode), verbose=False)
+        rank = gpc.get_global_rank()
+        g = torch.Generator().manual_seed(rank)
+        batches = [(torch.randn(4, 6, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(6)]
+        if rank == 1:  # only rank 1 sees the bad batch, at its fourth step
+            batches[3] = (torch.full((4, 6), float("nan")), batches[3][1])
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine, loader, _, _ = colossal_lite.initialize(model, opt, torch.nn.CrossEntropyLoss(), batches, verbose=False)
+        result = {}
+        try:
+            Trainer(engine).fit(loader, epochs=1, hooks=[hooks.LossHook()])
+        except NonFiniteLossError as err:
+            result["error"] = str(err)
+        result["updates"] = engine.num_updates
+        result["finite"] = all(bool(torch.isfinite(p).all()) for p in engine.unwrapped_model.parameters())
+        with open(f"{out}/rank{rank}.json", "w") as f:
+            json.dump(result, f)
+        gpc.destroy()
+
+    for mode in sys.argv[2:]:  # one launch, the process group made anew for each mode
+        run(mode, f"{sys.argv[1]}/{mode}")
 ''')
 
 
-@pytest.mark.parametrize("mode", ["raise", "skip"])
-def test_two_ranks_agree_when_only_one_saw_a_nan_loss(tmp_path, mode):
-    script = tmp_path / "nan_two_ranks.py"
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    """Both modes trained in one two-rank launch; ``{mode: [rank 0's result, rank 1's]}``."""
+    out = tmp_path_factory.mktemp("nan_two_ranks")
+    modes = ["raise", "skip"]
+    for mode in modes:
+        (out / mode).mkdir()
+    script = out / "nan_two_ranks.py"
     script.write_text(TWO_RANKS)
-    run_torchrun(script, [mode, tmp_path], nproc=2, timeout=120)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    run_torchrun(script, [out, *modes], nproc=2, timeout=180)
+    return {mode: [json.loads((out / mode / f"rank{r}.json").read_text()) for r in (0, 1)] for mode in modes}
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_two_ranks_agree_when_only_one_saw_a_nan_loss(two_rank_results, mode):
+    results = two_rank_results[mode]
     if mode == "raise":
         assert all("in optimizer step 4 " in r.get("error", "") for r in results), results
     else:

@@ -230,6 +230,7 @@ def fit(cls, kw, ckpt, epochs=3, max_steps=None, resume=None):
                                     (Lars, dict(lr=0.5, momentum=0.9, eeta=0.02, weight_decay=1e-4)),
                                     (FusedLAMB, dict(lr=0.02)), (FusedAdam, dict(lr=0.01, weight_decay=0.01)),
                                     (FusedSGD, dict(lr=0.1, momentum=0.9))])
+@pytest.mark.slow  # takes seconds without starting a process
 def test_trains_and_resumes_exactly_from_a_checkpoint(tmp_path, cls, kw):
     x, y = make_batches(4)[0]
     before = nn.functional.cross_entropy(make_model()(x), y)

@@ -233,6 +233,7 @@ def test_train_accuracy_and_output_label_requirement():
         trainer.evaluate(make_batches(1), hooks=[AccuracyHook(Accuracy())], return_output_label=False)
 
 
+@pytest.mark.slow  # takes seconds without starting a process
 def test_accuracy_hook_accepts_torchmetrics():
     torchmetrics = pytest.importorskip("torchmetrics")
     engine, _ = make_engine(make_model())
