@@ -26,8 +26,9 @@ setup(
     extras_require={
         # mlflow-skinny is the MLflow client the tests need (the full ``mlflow`` package depends on it);
         # sqlalchemy and alembic let it open MLflow's default store, a SQLite file
-        "dev": ["pytest>=7", "pytest-timeout", "numpy", "scikit-learn", "ruff", "tensorboard", "torchmetrics",
-                "matplotlib", "mlflow-skinny>=2.12", "sqlalchemy", "alembic"],
+        # pytest-xdist runs the suite on two workers (the README's test command), one test file per worker
+        "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist", "numpy", "scikit-learn", "ruff", "tensorboard",
+                "torchmetrics", "matplotlib", "mlflow-skinny>=2.12", "sqlalchemy", "alembic"],
         "examples": ["scikit-learn"],
         "tensorboard": ["tensorboard"],
         "mlflow": ["mlflow>=2.12"],
