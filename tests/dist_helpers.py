@@ -10,7 +10,23 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+import torch.distributed as dist
+
+from colossal_lite.core import global_context as gpc
+
 REPO = Path(__file__).resolve().parents[1]
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_launch_context(monkeypatch):
+    """For a fixture (``yield from``): no torchrun variables and no launch before and after the test; its process
+    group destroyed."""
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    gpc.destroy()
+    yield
+    gpc.destroy()
+    assert not dist.is_initialized()
 
 
 def free_port() -> int:
@@ -24,7 +40,7 @@ def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for k in TORCHRUN_VARS:
         env.pop(k, None)
     if extra:
         env.update(extra)

@@ -9,24 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import free_port, run_python, run_torchrun
+from dist_helpers import clean_launch_context, free_port, run_python, run_torchrun
 
 import colossal_lite
 from colossal_lite.context import Config, ConfigException, ParallelMode
 from colossal_lite.core import global_context as gpc
 from colossal_lite.launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch
 
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
 
 @pytest.fixture(autouse=True)
 def clean_context(monkeypatch):
-    for name in TORCHRUN_VARS:
-        monkeypatch.delenv(name, raising=False)
-    gpc.destroy()
-    yield
-    gpc.destroy()
-    assert not dist.is_initialized()
+    yield from clean_launch_context(monkeypatch)
 
 
 def write_config(folder: Path, name: str = "launch_config.py") -> Path:

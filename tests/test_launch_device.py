@@ -6,24 +6,17 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import doc_python_blocks, run_python
+from dist_helpers import clean_launch_context, doc_python_blocks, run_python
 from engine_helpers import make_batches, make_model
 
 import colossal_lite
 from colossal_lite.core import global_context as gpc
 from colossal_lite.launch import launch, launch_from_torch
 
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
 
 @pytest.fixture(autouse=True)
 def clean_context(monkeypatch):
-    for name in TORCHRUN_VARS:
-        monkeypatch.delenv(name, raising=False)
-    gpc.destroy()
-    yield
-    gpc.destroy()
-    assert not dist.is_initialized()
+    yield from clean_launch_context(monkeypatch)
 
 
 @pytest.fixture
