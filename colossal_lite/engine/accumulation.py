@@ -171,26 +171,35 @@ class AccumulationDataLoader:
                 window.expect(window.plan(i, length))
                 yield batch
             return
-        yield from self._read_ahead(iter(self.loader))
+        for where, batch, _ in plan_ahead(window, iter(self.loader)):
+            window.expect(where)
+            yield batch
 
-    def _read_ahead(self, it: Iterator) -> Iterator:
-        """A loader without ``len``: at each window's first batch, the rest of the window and one batch more are
-        read, so the window's real size is known before its first forward (a window the epoch cuts short divides
-        its losses by its own size, as with a length). Holds at most ``size + 1`` batches."""
-        window, ahead, read = self.window, deque(), 0
-        while True:
-            index = read - len(ahead)  # the epoch's index of the next batch to hand out
-            if index % window.size == 0:
-                while len(ahead) < window.size + 1:
-                    batch = next(it, _END)
-                    if batch is _END:
-                        break
-                    ahead.append(batch)
-                    read += 1
-            if not ahead:
-                return
-            window.expect(window.plan(index, read))  # ``read`` is past the window's end unless the epoch ends in it
-            yield ahead.popleft()
+
+def plan_ahead(window: AccumulationWindow, it: Iterator, start: int = 0) -> Iterator:
+    """An epoch without ``len``, from micro-batch ``start`` on: ``(where, batch, length)`` for each batch, where
+    ``length`` is the epoch's number of micro-batches once the read-ahead has met its end (None before).
+
+    Before each micro-batch the rest of its window and one batch more are held, so the window's real size is
+    known before its first forward: a window the epoch cuts short divides its losses by its own size, exactly as
+    with a length. Holds at most ``window.size + 1`` batches, as the loader yielded them.
+    """
+    ahead: deque = deque()
+    index, length = start, None
+    while True:
+        window_end = index - index % window.size + window.size
+        while length is None and len(ahead) < window_end - index + 1:
+            batch = next(it, _END)
+            if batch is _END:
+                length = index + len(ahead)
+            else:
+                ahead.append(batch)
+        if not ahead:
+            return
+        # past the window's end while the epoch goes on, else the epoch's length
+        where = window.plan(index, index + len(ahead))
+        yield where, ahead.popleft(), length
+        index += 1
 
 
 _END = object()

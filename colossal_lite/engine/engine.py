@@ -155,7 +155,7 @@ class Engine:
 
     def run_model(self, *args, **kwargs):
         """The model's forward under autocast, outside the accumulation plan (no gradient-sync decision)."""
-        try:  # (a try costs nothing until something is raised)
+        try:
             if self._compile_pending:
                 return self._first_compiled_call(*args, **kwargs)
             with self.precision.autocast():

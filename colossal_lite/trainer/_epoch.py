@@ -14,10 +14,9 @@ itself (``batch``). The two kinds of loader differ only in where the answers com
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import Iterator
 
-from ..engine.accumulation import AccumulationWindow, MicroBatch
+from ..engine.accumulation import AccumulationWindow, MicroBatch, plan_ahead
 
 __all__ = ["SizedEpoch", "UnsizedEpoch"]
 
@@ -48,46 +47,37 @@ class SizedEpoch:
 
 class UnsizedEpoch:
     """An epoch that ends when ``data_iter`` does; it starts at micro-batch ``state.batch_idx`` (a resumed epoch's
-    first batches were read and dropped). Sets ``state.epoch_length`` when the iterator ends."""
+    first batches were read and dropped). The plan comes from ``plan_ahead``, as for the loader ``initialize``
+    returns; ``state.epoch_length`` is set once the read-ahead meets the iterator's end."""
 
     def __init__(self, window: AccumulationWindow, data_iter: Iterator, state):
-        self.size = window.size
         self.window = window
-        self.data_iter = data_iter
         self.state = state
-        self.ahead: deque = deque()  # batches read, not yet run: micro-batches index, index + 1, ...
-        self.read = state.batch_idx  # the epoch's batches read so far (the index of the next one to read)
-        self.ended = False
+        self.plans = plan_ahead(window, data_iter, start=state.batch_idx)
+        self.next = None  # (where, batch, length) of the next micro-batch, once read
         state.epoch_length = None
 
-    def _read_ahead(self, count: int) -> None:
-        """Hold ``count`` batches ahead, or all that are left."""
-        while len(self.ahead) < count and not self.ended:
-            batch = next(self.data_iter, _END)
-            if batch is _END:
-                self.ended = True
-                self.state.epoch_length = self.read
-                if self.read == 0:
-                    raise ValueError(
-                        f"the train_dataloader yielded no batch in epoch {self.state.epoch}. Each epoch iterates it "
-                        f"again: a generator object is used up after one pass, so give an object whose __iter__ "
-                        f"starts over (a DataLoader over an IterableDataset, or a class with __iter__)")
-            else:
-                self.ahead.append(batch)
-                self.read += 1
-
     def has(self, index: int) -> bool:
-        self._read_ahead(1)
-        return bool(self.ahead)
+        if self.next is None:
+            self.next = next(self.plans, None)
+            if self.next is None and index == 0:
+                raise ValueError(
+                    f"the train_dataloader yielded no batch in epoch {self.state.epoch}. Each epoch iterates it "
+                    f"again: a generator object is used up after one pass, so give an object whose __iter__ "
+                    f"starts over (a DataLoader over an IterableDataset, or a class with __iter__)")
+            if self.next is None and self.state.epoch_length is None:
+                self.state.epoch_length = index
+        return self.next is not None
 
     def place(self, index: int) -> MicroBatch:
-        window_end = index - index % self.size + self.size
-        self._read_ahead(window_end - index + 1)  # the window's rest, and the batch after it
-        where = self.window.plan(index, index + len(self.ahead))  # (past the window's end when the epoch goes on)
+        where, _, length = self.next
+        if length is not None:
+            self.state.epoch_length = length
         # Announced now, before zero_grad reads it: a loader that announces places itself (the one ``initialize``
         # returns) announced those of the batches read ahead.
         self.window.expect(where)
         return where
 
     def batch(self, index: int):
-        return self.ahead.popleft()
+        batch, self.next = self.next[1], None
+        return batch
