@@ -11,6 +11,7 @@ import itertools
 import math
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -817,6 +818,15 @@ class Trainer:
     def tracker_states(self) -> Dict[str, Any]:
         """The ``state_dict()`` of each tracker of the running fit that has one (keys like ``'MLflowTracker.0'``)."""
         return self._recorder.tracker_states() if self._recorder is not None else {}
+
+    def record_values(self, values: Dict[str, float], step: Optional[int] = None, epoch: Optional[int] = None) -> None:
+        """Record ``values`` a hook measured (every rank alike) into the history and, during ``fit``, the trackers."""
+        step = self.state.step if step is None else step
+        epoch = self.state.epoch if epoch is None else epoch
+        if self._recorder is not None:
+            self._recorder.record(step, epoch, values)
+        else:
+            self.history.add_values(step, epoch, time.time(), values)
 
     def flush_metrics(self) -> None:
         """Inside ``fit``: read the per-step values kept on the device into the history and the trackers (a
