@@ -1,0 +1,76 @@
+"""Asynchronous ZeRO stage 3 saves on two ranks: the sharded files are written in the background on a process
+group of their own while training goes on, and the checkpoint equals, tensor for tensor, the synchronous
+save taken at the same step. One launch; the comparison reads both folders in this process (``merge``)."""
+from pathlib import Path
+
+import torch
+from dist_helpers import run_torchrun
+
+from colossal_lite.checkpoint.manager import merge_checkpoint
+
+SCRIPT = r'''
+import sys
+import torch
+sys.path.insert(0, {tests!r})
+import colossal_lite
+from colossal_lite.checkpoint.manager import CheckpointManager
+from colossal_lite.core import global_context as gpc
+from engine_helpers import make_batches, make_model
+
+root = sys.argv[1]
+colossal_lite.launch_from_torch(config=dict(zero=dict(stage=3)), verbose=False)
+rank = gpc.get_global_rank()
+model = make_model()
+engine, *_ = colossal_lite.initialize(model, torch.optim.Adam(model.parameters(), lr=0.01),
+                                      torch.nn.CrossEntropyLoss(), verbose=False)
+
+def train(part):
+    for x, y in part:
+        x, y = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()
+
+batches = make_batches(9, b=8)
+sync, background = CheckpointManager(root + "/sync"), CheckpointManager(root + "/async", async_save=True)
+for k in range(3):
+    train(batches[3 * k:3 * k + 3])
+    name = f"epoch0-step{{3 * k + 3}}"
+    sync.save(name, {{"engine": engine.state_dict_without_shards()}}, {{}}, sharded_state=engine.sharded_state_dict())
+    background.save(name, {{"engine": engine.state_dict_without_shards()}}, {{}},
+                    sharded_state=engine.sharded_state_dict())
+    background.poll()  # a step boundary: completes it when every rank is done, else a later save waits
+background.wait()
+print(f"rank{{rank}} saves {{[t.step for t in background.finished_saves]}}\n", end="", flush=True)
+gpc.destroy()
+'''
+
+
+def _tensors(tree, prefix=""):
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    out = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out.update(_tensors(v, f"{prefix}/{i}"))
+    return out
+
+
+def test_async_zero3_saves_equal_the_synchronous_ones(tmp_path):
+    script = tmp_path / "async_sharded.py"
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parents[1])))
+    proc = run_torchrun(script, [tmp_path], nproc=2, timeout=180)
+    for r in (0, 1):
+        assert f"rank{r} saves [3, 6, 9]" in proc.stdout, proc.stdout + proc.stderr
+    for step in (3, 6, 9):
+        name = f"epoch0-step{step}"
+        assert sorted(p.name for p in (tmp_path / "async" / name / "sharded").iterdir()) == \
+            sorted(p.name for p in (tmp_path / "sync" / name / "sharded").iterdir())
+        sync, background = _tensors(merge_checkpoint(tmp_path / "sync" / name)), \
+            _tensors(merge_checkpoint(tmp_path / "async" / name))
+        assert sync.keys() == background.keys() and len(sync) > 4
+        for key in sync:
+            assert torch.equal(sync[key], background[key]), (name, key)
