@@ -149,5 +149,7 @@ def test_a_verified_load_maps_the_file_and_refuses_damage_before_unpickling(tmp_
 
 
 def test_async_save_on_a_legacy_file_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match="async_save work on checkpoint folders: give a folder instead"):
+    with pytest.raises(ValueError, match=r"SaveCheckpointHook\('ck.pt', async_save=True\): a path ending in .pt is one "
+                                         r"legacy file, written by rank 0 at each interval; async_save writes "
+                                         r"checkpoint folders: give a folder instead"):
         SaveCheckpointHook(1, "ck.pt", async_save=True)

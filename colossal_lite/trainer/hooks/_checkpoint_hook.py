@@ -85,11 +85,14 @@ class SaveCheckpointHook(BaseHook):
                              async_save=bool(async_save))
         self.checkpoint_dir = Path(checkpoint_dir)
         self.file: Optional[Path] = self.checkpoint_dir if self.checkpoint_dir.suffix in LEGACY_FILE_SUFFIXES else None
-        if self.file is not None and (save_best is not None or keep_last_n is not None or async_save):
-            raise ValueError(f"SaveCheckpointHook({str(checkpoint_dir)!r}, save_best=..., keep_last_n=..., "
-                             f"async_save=...): a path ending in {self.file.suffix} is one legacy file, rewritten at "
-                             f"each interval; save_best, keep_last_n and async_save work on checkpoint folders: "
-                             f"give a folder instead")
+        if self.file is not None and (save_best is not None or keep_last_n is not None):
+            raise ValueError(f"SaveCheckpointHook({str(checkpoint_dir)!r}, save_best=..., keep_last_n=...): a path "
+                             f"ending in {self.file.suffix} is one legacy file, rewritten at each interval; "
+                             f"save_best and keep_last_n choose among checkpoint folders: give a folder instead")
+        if self.file is not None and async_save:
+            raise ValueError(f"SaveCheckpointHook({str(checkpoint_dir)!r}, async_save=True): a path ending in "
+                             f"{self.file.suffix} is one legacy file, written by rank 0 at each interval; "
+                             f"async_save writes checkpoint folders: give a folder instead")
         self.model = model
         self.save_by_iter = bool(save_by_iter)
         self.save_best = None if save_best is None else (save_best[0], save_best[1])
