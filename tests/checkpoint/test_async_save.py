@@ -8,6 +8,7 @@ the moment it was taken.
 import json
 import logging
 import os
+import signal
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ from colossal_lite.checkpoint.io import save_file
 from colossal_lite.checkpoint.reader import read_checkpoint
 from colossal_lite.core import global_context as gpc
 from colossal_lite.trainer import Trainer
-from colossal_lite.trainer.hooks import LossHook, LRSchedulerHook, SaveCheckpointHook
+from colossal_lite.trainer.checkpointing import TrainingPreempted
+from colossal_lite.trainer.hooks import BaseHook, LossHook, LRSchedulerHook, SaveCheckpointHook
 from colossal_lite.utils import get_dataloader
 
 
@@ -153,3 +155,60 @@ def test_async_save_on_a_legacy_file_is_refused_with_the_fix():
                                          r"legacy file, written by rank 0 at each interval; async_save writes "
                                          r"checkpoint folders: give a folder instead"):
         SaveCheckpointHook(1, "ck.pt", async_save=True)
+
+
+# -- the end of fit: preemption and errors wait for the save in flight ----------------------------------
+class _At(BaseHook):
+    """At micro-batch ``at``: raise ``signum`` in this process (a real signal), or raise ``error``."""
+
+    def __init__(self, at, signum=None, error=None):
+        super().__init__()
+        self.at, self.signum, self.error = at, signum, error
+
+    def after_backward(self, trainer):
+        if trainer.state.iteration + 1 == self.at:
+            if self.error is not None:
+                raise self.error
+            signal.raise_signal(self.signum)
+
+
+def _small_fit(ck, async_save, resume=None, extra=()):
+    gpc.destroy()
+    colossal_lite.launch_from_torch(config=dict(gradient_accumulation=2), seed=5, verbose=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g))
+    engine, loader, _, _ = colossal_lite.initialize(model, opt, nn.CrossEntropyLoss(),
+                                                    get_dataloader(data, shuffle=True, batch_size=4), verbose=False)
+    try:
+        Trainer(engine).fit(loader, epochs=2, resume_from=resume,
+                            hooks=[LossHook(), SaveCheckpointHook("3ba", ck, async_save=async_save), *extra])
+    finally:
+        gpc.destroy()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.slow  # three fits
+def test_sigterm_with_a_save_in_flight_completes_both_and_resumes_exactly(tmp_path):
+    want = _small_fit(tmp_path / "reference", False)
+    with pytest.raises(TrainingPreempted) as info:  # micro-batch 13: the save of step 6 may still be in flight
+        _small_fit(tmp_path / "ck", True, extra=[_At(13, signal.SIGTERM)])
+    assert info.value.code == 75 and info.value.checkpoint == tmp_path / "ck" / "epoch1-step7"
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert names == ["epoch0-step3", "epoch1-step6", "epoch1-step7", "last", "metrics.jsonl"]  # complete, no .tmp
+    assert (tmp_path / "ck" / "last").read_text().strip() == "epoch1-step7"
+    assert all((tmp_path / "ck" / n / "meta.json").is_file() for n in names[:3])
+    got = _small_fit(tmp_path / "ck", True, resume="auto")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_an_error_in_training_lets_the_save_in_flight_finish_and_is_raised_as_it_was(tmp_path):
+    with pytest.raises(RuntimeError, match="^a bug in a hook$"):  # micro-batch 8: step 4, the save of step 3 began
+        _small_fit(tmp_path / "ck", True, extra=[_At(8, error=RuntimeError("a bug in a hook"))])
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert names == ["epoch0-step3", "last", "metrics.jsonl"]  # in one process it is completed; nothing half-written
+    shared, _ = CheckpointManager(tmp_path / "ck").load("last")
+    assert shared["trainer"]["progress"]["step"] == 3
