@@ -51,7 +51,8 @@ from colossal_lite.trainer.checkpointing import (
 from colossal_lite.trainer.hooks import BaseHook, LossHook, LRSchedulerHook, SaveCheckpointHook
 from colossal_lite.utils import get_dataloader
 
-QUIET = logging.getLogger("bench_checkpoint")  # no handler: the resume messages are not printed
+QUIET = logging.getLogger("bench_checkpoint")
+SYNC_SAVE = "save_trainer_checkpoint (atomic folder, fsync, retention)"  # no handler: the resume messages are not printed
 
 
 class Vectors(Dataset):
@@ -121,10 +122,10 @@ def bench_save_load(layers: int, width: int, rounds: int, root: Path) -> None:
 
     def async_save():  # timed from outside: its blocking part is measured by the manager
         save_trainer_checkpoint(trainer, background, loader)
-        background._async.in_flight.thread.join()  # training would run meanwhile
-        background.poll()
+        while not background.poll():  # step boundaries of a training that goes on meanwhile
+            time.sleep(0.005)
 
-    saves = interleaved({"save_trainer_checkpoint (atomic folder, fsync, retention)": trainer_save,
+    saves = interleaved({SYNC_SAVE: trainer_save,
                          "async_save=True, until the folder is complete": async_save,
                          "torch.save, one file, no fsync": plain_save,
                          "torch.save + fsync": plain_save_fsync}, rounds)
@@ -141,23 +142,33 @@ def bench_save_load(layers: int, width: int, rounds: int, root: Path) -> None:
     print(f"\n1. save / load: {layers} x Linear({width}, {width}) + Adam = {params / 1e6:.1f} M parameters, "
           f"checkpoint {size / 1e6:.0f} MB on disk; median of {rounds} interleaved rounds")
     _table(saves, "torch.save + fsync")
+    blocked = _median_ms(saves["async_save=True, training blocked"])
+    print(f"   async_save=True blocks training {blocked / _median_ms(saves[SYNC_SAVE]):.3f}x as long as the "
+          f"synchronous save_trainer_checkpoint")
     _table(loads, "torch.load(weights_only=True) of its shared.pt")
     _peak_memory(paths["last"], shared_file)
     gpc.destroy()
 
 
 _PEAK = """
-import resource, sys, torch
+import re, sys, torch
 from colossal_lite.checkpoint import CheckpointManager
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-state = CheckpointManager(sys.argv[2], cleanup=False).load(sys.argv[3]) if sys.argv[1] == "load" else \
+
+def size(field):  # bytes
+    return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM, what ru_maxrss reports) restarts from the present size
+before = size("VmRSS")
+state = CheckpointManager(sys.argv[2], cleanup=False).load(sys.argv[3]) if sys.argv[1] == "load" else \\
     torch.load(sys.argv[3], weights_only=True)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+print(size("VmHWM") - before)
 """
 
 
 def _peak_memory(folder: Path, shared_file: Path) -> None:
-    """Peak process memory added by one load, each in a fresh process."""
+    """Peak process memory (resident pages, the file's mapped pages included) added by one load, each in a fresh
+    process whose peak is reset just before it (Linux ``/proc/self/clear_refs``)."""
     import subprocess
     import sys
 
@@ -167,7 +178,7 @@ def _peak_memory(folder: Path, shared_file: Path) -> None:
         proc = subprocess.run([sys.executable, "-c", _PEAK, kind, str(folder.parent), str(target)],
                               capture_output=True, text=True, check=True)
         out[kind] = int(proc.stdout.split()[-1])
-    print(f"   peak memory added by one load of the {size / 1e6:.0f} MB shared.pt (fresh process, ru_maxrss): "
+    print(f"   peak memory added by one load of the {size / 1e6:.0f} MB shared.pt (fresh process, peak RSS): "
           f"CheckpointManager.load {out['load'] / 1e6:.0f} MB, torch.load {out['torch.load'] / 1e6:.0f} MB")
 
 
