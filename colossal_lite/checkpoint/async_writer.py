@@ -57,7 +57,9 @@ class _InFlight:
         self._go = threading.Event()
         self._checksums: Optional[Dict[str, str]] = None  # every rank's, once agreed (None: give up)
         self._sharded = sharded_future
-        self.thread = threading.Thread(target=self._run, name=f"checkpoint-writer {job.target.name}")
+        # a daemon: a process that ends without waiting for it leaves an unfinished .tmp- folder, as a kill does,
+        # instead of hanging on a background collective whose other ranks are gone
+        self.thread = threading.Thread(target=self._run, name=f"checkpoint-writer {job.target.name}", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
@@ -102,6 +104,10 @@ class AsyncSaves:
         self.completed = completed
         self._group = None  # the process group of the background sharded writes
 
+    # seconds an error in training waits for this rank's files with several ranks: a sharded write in flight
+    # may be waiting for a rank that has gone
+    abandon_wait_s = 60.0
+
     def start(self, begin: Callable[[Callable[[Any], Any]], FolderWrite],
               sharded_state: Optional[Dict[str, Any]]) -> Path:
         """Wait for the save in flight, then copy the state (``begin(stage)``) and write it in the background.
@@ -121,7 +127,7 @@ class AsyncSaves:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        if self._group is None and cl_dist.world_size() > 1:
+        if self._group is None and dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # the training's group stays free of background collectives
         writer = dcp.FileSystemWriter(str(job.tmp / SHARDED_DIR), sync_files=True)
         return dcp.async_save(state, storage_writer=writer, process_group=self._group)
@@ -191,13 +197,13 @@ class AsyncSaves:
         flight = self.in_flight
         if flight is None:
             return None
-        flight.written.wait()
-        if cl_dist.world_size() > 1 or flight.error is not None:
-            flight.commit(None)
-            flight.thread.join()
+        several = cl_dist.world_size() > 1
+        flight.written.wait(timeout=self.abandon_wait_s if several else None)
+        if several or flight.error is not None:
+            flight.commit(None)  # rank 0's thread stops waiting to complete it
             self._drop(flight)
-            if flight.job.ranks.rank == 0:
-                remove(flight.job.tmp)
+            if not several:
+                remove(flight.job.tmp)  # the write failed: nothing of it is worth keeping
             return None
         self.wait()
         return flight.job.target

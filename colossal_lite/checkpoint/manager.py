@@ -8,7 +8,6 @@ re-exported from their modules.
 """
 from __future__ import annotations
 
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -35,7 +34,7 @@ from .policy import BestMetric, apply_retention, check_keep_last_n, move_pointer
 from .ranks import Ranks
 from .reader import load_shared, merge_checkpoint, model_state_from, read_checkpoint
 from .sharded import has_sharded_state, load_sharded, merge_sharded, save_sharded, verify_sharded
-from .writer import USE_GPC_CONFIG, begin_write, numbers_from, write_checkpoint
+from .writer import USE_GPC_CONFIG, begin_write, write_checkpoint
 
 __all__ = [
     "CheckpointManager", "checkpoint_info", "checkpoint_name", "rank_file", "read_meta", "verify_files",
@@ -68,7 +67,7 @@ class CheckpointManager:
                  save_best: Optional[Tuple[str, str]] = None, keep_last_n: Optional[int] = None,
                  cleanup: bool = True, async_save: bool = False):
         self.checkpoint_dir = Path(checkpoint_dir)
-        self.finished_saves: List[SaveTimes] = []  # each complete save's times, oldest first (callers may clear it)
+        self.finished_saves: List[SaveTimes] = []  # each complete asynchronous save's times (callers may clear it)
         self._async = AsyncSaves(self.finished_saves) if async_save else None
         self.save_last = bool(save_last)
         self._best = BestMetric(save_best)
@@ -150,12 +149,8 @@ class CheckpointManager:
         if self._async is not None:
             return self._async.start(lambda stage: begin_write(self.checkpoint_dir, name, shared_state, rank_state,
                                                                metrics, stage=stage, **options), sharded_state)
-        started = time.perf_counter()
-        path = write_checkpoint(self.checkpoint_dir, name, shared_state, rank_state, metrics,
+        return write_checkpoint(self.checkpoint_dir, name, shared_state, rank_state, metrics,
                                 sharded_state=sharded_state, **options)
-        took = time.perf_counter() - started
-        self.finished_saves.append(SaveTimes(path, *numbers_from(name, epoch, step), took, took))
-        return path
 
     @property
     def async_save(self) -> bool:

@@ -32,11 +32,6 @@ class HostStage:
         self._memo: Dict[int, torch.Tensor] = {}
         self._from_gpu = False
 
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of host memory the kept buffers hold."""
-        return sum(b.numel() * b.element_size() for b in self._buffers)
-
     def copy(self, tree: Any) -> Any:
         self._next, self._memo, self._from_gpu = 0, {}, False
         try:

@@ -19,6 +19,7 @@ import colossal_lite
 from colossal_lite.checkpoint import CheckpointDamagedError, CheckpointManager, load_file
 from colossal_lite.checkpoint.io import save_file
 from colossal_lite.checkpoint.reader import read_checkpoint
+from colossal_lite.checkpoint.staging import HostStage
 from colossal_lite.core import global_context as gpc
 from colossal_lite.trainer import Trainer
 from colossal_lite.trainer.checkpointing import TrainingPreempted
@@ -120,6 +121,33 @@ def test_a_save_holds_the_state_of_its_moment_and_appears_only_complete(tmp_path
     assert [(t.path, t.step) for t in m.finished_saves] == [(first, 1), (second, 2)]
     assert all(0 < t.blocking <= t.total for t in m.finished_saves)
     assert m.finished_saves[1].waited > 0 and m.finished_saves[0].waited == 0
+
+
+def test_the_host_copy_refills_its_buffers_and_rebuilds_every_container():
+    stage = HostStage()
+    state = {"w": torch.randn(8, 8), "t": torch.arange(6).view(2, 3).t(), "groups": [{"lr": 0.1}], "n": 3}
+    first = stage.copy(state)
+    buffer = first["w"].untyped_storage().data_ptr()
+    assert first["groups"] is not state["groups"] and first["groups"][0] is not state["groups"][0]
+    assert first["t"].stride() == state["t"].stride() and torch.equal(first["t"], state["t"])  # strides kept
+    state["w"].add_(1.0)
+    second = stage.copy(state)  # the same shapes: the same host buffer, refilled
+    assert second["w"].untyped_storage().data_ptr() == buffer and torch.equal(second["w"], state["w"])
+    assert second["w"].untyped_storage().data_ptr() != state["w"].untyped_storage().data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_tensors_are_copied_into_pinned_memory_and_saved_as_they_were(tmp_path):
+    w = torch.randn(1024, 1024, device="cuda")
+    copy = HostStage().copy({"w": w})
+    assert copy["w"].device.type == "cpu" and copy["w"].is_pinned() and torch.equal(copy["w"], w.cpu())
+    m = CheckpointManager(tmp_path / "ck", async_save=True)
+    kept = w.cpu()
+    m.save("epoch0-step1", {"w": w})
+    w.add_(1.0)  # on the device, right after the save returned
+    m.wait()
+    assert torch.equal(m.load("last")[0]["w"], kept)
 
 
 def test_tied_tensors_stay_one_tensor_and_module_metadata_is_kept(tmp_path):
