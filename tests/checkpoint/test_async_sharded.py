@@ -1,6 +1,8 @@
 """Asynchronous ZeRO stage 3 saves on two ranks: the sharded files are written in the background on a process
 group of their own while training goes on, and the checkpoint equals, tensor for tensor, the synchronous
-save taken at the same step. One launch; the comparison reads both folders in this process (``merge``)."""
+save taken at the same step (the comparison reads both folders in this process, ``merge``). In the same
+launch, ``fit`` with ``SaveCheckpointHook(async_save=True)`` ends with the parameters of the synchronous
+run, and so does a run resumed from one of its checkpoints."""
 from pathlib import Path
 
 import torch
@@ -42,6 +44,29 @@ for k in range(3):
     background.poll()  # a step boundary: completes it when every rank is done, else a later save waits
 background.wait()
 print(f"rank{{rank}} saves {{[t.step for t in background.finished_saves]}}\n", end="", flush=True)
+
+# the Trainer: asynchronous saves under zero 3 against synchronous ones, and a resume from one of them
+from torch.utils.data import TensorDataset
+from colossal_lite.trainer import Trainer
+from colossal_lite.trainer.hooks import SaveCheckpointHook
+from colossal_lite.utils import get_dataloader
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, 4, (32,), generator=g))
+
+def fit(folder, async_save, resume=None):
+    model = make_model()
+    engine, loader, *_ = colossal_lite.initialize(model, torch.optim.Adam(model.parameters(), lr=0.01),
+                                                  torch.nn.CrossEntropyLoss(),
+                                                  get_dataloader(data, shuffle=True, batch_size=4), verbose=False)
+    Trainer(engine).fit(loader, epochs=2, hooks=[SaveCheckpointHook("2ba", folder, async_save=async_save)],
+                        resume_from=resume, log_dir=False)
+    return engine.state_dict()["model"]  # full tensors on every rank (a collective)
+
+reference = fit(root + "/t-sync", False)
+background = fit(root + "/t-async", True)
+resumed = fit(root + "/t-resumed", True, resume=root + "/t-async/epoch0-step2")
+same = [all(torch.equal(reference[k], other[k]) for k in reference) for other in (background, resumed)]
+print(f"rank{{rank}} trainer equal {{same}}\n", end="", flush=True)
 gpc.destroy()
 '''
 
@@ -65,6 +90,9 @@ def test_async_zero3_saves_equal_the_synchronous_ones(tmp_path):
     proc = run_torchrun(script, [tmp_path], nproc=2, timeout=180)
     for r in (0, 1):
         assert f"rank{r} saves [3, 6, 9]" in proc.stdout, proc.stdout + proc.stderr
+        assert f"rank{r} trainer equal [True, True]" in proc.stdout, proc.stdout + proc.stderr
+    assert sorted(p.name for p in (tmp_path / "t-async").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "t-sync").iterdir())
     for step in (3, 6, 9):
         name = f"epoch0-step{step}"
         assert sorted(p.name for p in (tmp_path / "async" / name / "sharded").iterdir()) == \
