@@ -123,14 +123,22 @@ class AsyncSaves:
         return job.target
 
     def _start_sharded(self, job: FolderWrite, state: Dict[str, Any]):
-        """Stage the sharded state now and let torch.distributed.checkpoint write it on a group of its own."""
+        """Stage the sharded state now and let torch.distributed.checkpoint write it on a group of its own.
+        Collective: a rank that cannot start it raises on every rank."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         if self._group is None and dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # the training's group stays free of background collectives
-        writer = dcp.FileSystemWriter(str(job.tmp / SHARDED_DIR), sync_files=True)
-        return dcp.async_save(state, storage_writer=writer, process_group=self._group)
+        future, error = None, None
+        try:
+            writer = dcp.FileSystemWriter(str(job.tmp / SHARDED_DIR), sync_files=True)
+            future = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+            error = write_error(job, e)
+        job.ranks.agree(error, f"checkpoint {job.target} was not written",
+                        lambda: job.ranks.rank == 0 and remove(job.tmp))
+        return future
 
     def poll(self) -> bool:
         """At a step boundary: move the save in flight on when every rank has finished its part. Collective with
