@@ -12,6 +12,7 @@ import signal
 
 import pytest
 import torch
+from dist_helpers import REPO, doc_python_blocks
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -240,3 +241,13 @@ def test_an_error_in_training_lets_the_save_in_flight_finish_and_is_raised_as_it
     assert names == ["epoch0-step3", "last", "metrics.jsonl"]  # in one process it is completed; nothing half-written
     shared, _ = CheckpointManager(tmp_path / "ck").load("last")
     assert shared["trainer"]["progress"]["step"] == 3
+
+
+def test_the_pages_engine_loop_snippet_prints_what_the_page_says(tmp_path, monkeypatch, capsys):
+    page = REPO / "docs" / "checkpoints.md"
+    code = doc_python_blocks("docs/checkpoints.md", "Without the Trainer: `CheckpointManager(..., async_save=True)`")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code[0], str(page), "exec"), {"__name__": "__snippet__"})
+    printed = capsys.readouterr().out.strip()
+    assert printed == "[2, 4, 6] ['epoch0-step4', 'epoch0-step6']"
+    assert f"It prints `{printed}`" in page.read_text()
