@@ -109,12 +109,13 @@ class AsyncSaves:
     abandon_wait_s = 60.0
 
     def start(self, begin: Callable[[Callable[[Any], Any]], FolderWrite],
-              sharded_state: Optional[Dict[str, Any]]) -> Path:
+              sharded_state: Optional[Dict[str, Any]], started_at: Optional[float] = None) -> Path:
         """Wait for the save in flight, then copy the state (``begin(stage)``) and write it in the background.
 
-        Collective. Returns the folder the checkpoint will have once it is complete.
+        Collective. Returns the folder the checkpoint will have once it is complete. ``started_at``: when
+        the caller began gathering the state (its blocking time counts from there; default: now).
         """
-        started = time.perf_counter()
+        started = time.perf_counter() if started_at is None else started_at
         waited = self.wait() if self.in_flight is not None else 0.0
         job = begin(self.stage.copy)
         sharded = self._start_sharded(job, sharded_state) if sharded_state is not None else None

@@ -133,7 +133,8 @@ class CheckpointManager:
     # -- saving --------------------------------------------------------------------------------
     def save(self, name: str, shared_state: Dict[str, Any], rank_state: Optional[Dict[str, Any]] = None,
              metrics: Optional[Dict[str, Any]] = None, *, epoch: Optional[int] = None, step: Optional[int] = None,
-             config: Any = USE_GPC_CONFIG, sharded_state: Optional[Dict[str, Any]] = None) -> Path:
+             config: Any = USE_GPC_CONFIG, sharded_state: Optional[Dict[str, Any]] = None,
+             started_at: Optional[float] = None) -> Path:
         """Write one checkpoint and return its folder. Every rank calls it (it runs collectives).
 
         ``shared_state`` is replicated state and is written once, from rank 0 (other ranks may pass
@@ -144,11 +145,14 @@ class CheckpointManager:
         A failure on any rank raises on every rank and leaves earlier checkpoints as they were.
         ``sharded_state`` (DTensor state of a ZeRO 2/3 model and optimizer) is written with
         ``torch.distributed.checkpoint`` into ``sharded/``: each rank writes its own shard.
+        With ``async_save`` it returns once the state is copied (see the class); ``started_at``
+        (``time.perf_counter()`` when the caller began gathering the state) is where its blocking time starts.
         """
         options = dict(epoch=epoch, step=step, config=config, save_best=self.save_best, on_complete=self._after_save)
         if self._async is not None:
             return self._async.start(lambda stage: begin_write(self.checkpoint_dir, name, shared_state, rank_state,
-                                                               metrics, stage=stage, **options), sharded_state)
+                                                               metrics, stage=stage, **options), sharded_state,
+                                     started_at)
         return write_checkpoint(self.checkpoint_dir, name, shared_state, rank_state, metrics,
                                 sharded_state=sharded_state, **options)
 

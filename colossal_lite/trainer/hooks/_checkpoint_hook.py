@@ -5,6 +5,7 @@ point (after the step's or the epoch's evaluation), so a run resumed from it con
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Optional, Sequence, Tuple, Union
 
@@ -166,6 +167,7 @@ class SaveCheckpointHook(BaseHook):
 
     def save(self, trainer) -> Path:
         """Write a checkpoint of the run now (all ranks); returns its folder. Once per position."""
+        started_at = time.perf_counter()  # an asynchronous save's blocking time includes gathering the state
         here = position(trainer)
         if here == self._last_position and self.last_path is not None:
             return self.last_path
@@ -176,7 +178,7 @@ class SaveCheckpointHook(BaseHook):
             if self._manager is None:
                 self._manager = CheckpointManager(self.checkpoint_dir, **self._options)
             metrics = checkpoint_metrics(trainer, None if self.save_best is None else self.save_best[0])
-            path = save_trainer_checkpoint(trainer, self._manager, metrics=metrics)
+            path = save_trainer_checkpoint(trainer, self._manager, metrics=metrics, started_at=started_at)
         self._last_position, self.last_path = here, path
         if self._manager is not None and self._manager.async_save:
             self._report(trainer)  # the save before it, when this one waited for it
