@@ -33,8 +33,9 @@ __all__ = ["AsyncSaves", "SaveTimes"]
 
 @dataclass
 class SaveTimes:
-    """How long one save took, in seconds: ``blocking`` held the training (the host copy, any wait for the
-    previous save, the completion at a step boundary), ``total`` from the call to the complete folder;
+    """How long one save took, in seconds: ``blocking`` held the training (gathering and copying the state,
+    any wait for the save before it, the agreements that complete it; a wait for its own write only when
+    something waited for it, as the end of ``fit`` does), ``total`` from the call to the complete folder;
     ``waited``: the part of ``blocking`` spent waiting for the save before it."""
 
     path: Path
@@ -116,7 +117,7 @@ class AsyncSaves:
         the caller began gathering the state (its blocking time counts from there; default: now).
         """
         started = time.perf_counter() if started_at is None else started_at
-        waited = self.wait() if self.in_flight is not None else 0.0
+        waited = self.wait(charge=False) if self.in_flight is not None else 0.0
         job = begin(self.stage.copy)
         sharded = self._start_sharded(job, sharded_state) if sharded_state is not None else None
         blocking = time.perf_counter() - started
@@ -153,13 +154,17 @@ class AsyncSaves:
         if not flight.committing:
             self._agree_written(flight)
             if _any_rank(flight.busy()):
-                self._blocked(flight, began)
+                flight.blocking += time.perf_counter() - began
                 return False
         self._finish(flight, began)
         return True
 
-    def wait(self) -> float:
-        """Wait for the save in flight and complete it (collective); the seconds spent waiting for it."""
+    def wait(self, charge: bool = True) -> float:
+        """Wait for the save in flight and complete it (collective); the seconds this took.
+
+        ``charge``: the time spent waiting for its write counts as that save's blocking time (the end of
+        ``fit``); the next save passes False and counts it as its own ``waited`` instead.
+        """
         flight = self.in_flight
         if flight is None:
             return 0.0
@@ -168,9 +173,9 @@ class AsyncSaves:
             flight.written.wait()
             self._agree_written(flight)
         flight.thread.join()
-        waited = time.perf_counter() - began
-        self._finish(flight, began)
-        return waited
+        idle = time.perf_counter() - began
+        self._finish(flight, began, uncharged=0.0 if charge else idle)
+        return idle
 
     def _agree_written(self, flight: _InFlight) -> None:
         """Every rank has written its files: share the checksums and let rank 0 complete the folder (or raise on
@@ -183,22 +188,19 @@ class AsyncSaves:
             raise
         flight.commit(checksums)
 
-    def _finish(self, flight: _InFlight, began: float) -> None:
-        """Rank 0 has completed the folder: every rank learns the outcome (raises on every rank when it failed)."""
+    def _finish(self, flight: _InFlight, began: float, uncharged: float = 0.0) -> None:
+        """Rank 0 has completed the folder: every rank learns the outcome (raises on every rank when it failed).
+        The time since ``began``, less ``uncharged``, is added to the save's blocking time."""
         self._drop(flight)
         job = flight.job
         job.ranks.agree(flight.error if job.ranks.rank == 0 else None, f"checkpoint {job.target} was not completed")
-        self._blocked(flight, began)
+        flight.blocking += time.perf_counter() - began - uncharged
         self.completed.append(SaveTimes(job.target, job.epoch, job.step, flight.blocking,
                                         time.perf_counter() - flight.started, flight.waited))
 
     def _drop(self, flight: _InFlight) -> None:
         self.in_flight = None
         flight.job.shared_plain = flight.job.rank_plain = None
-
-    @staticmethod
-    def _blocked(flight: _InFlight, began: float) -> None:
-        flight.blocking += time.perf_counter() - began
 
     def abandon(self) -> Optional[Path]:
         """After an error in training: let the write in flight finish, and complete it only in one process
