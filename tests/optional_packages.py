@@ -19,3 +19,14 @@ def require_torchvision(why: str, module_level: bool = False):
                     f"({type(error).__name__}: {error}); install the torchvision built for this torch (README, "
                     f"'Install')", allow_module_level=module_level)
     return torchvision
+
+
+def require_transformers(why: str, module_level: bool = False):
+    """``transformers``, or a skip that says ``why`` it is needed (it comes with ``pip install -e ".[hf]"`` and in
+    the dev extra)."""
+    try:
+        import transformers
+    except Exception as error:  # ImportError when missing; others when built against another torch
+        pytest.skip(f"{why}, but transformers cannot be imported ({type(error).__name__}: {error}); install it with "
+                    f"pip install -e \".[hf]\"", allow_module_level=module_level)
+    return transformers
