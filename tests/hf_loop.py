@@ -14,7 +14,8 @@ one row of issue 33's table, with accumulation 2 over 5 micro-batches (a partial
 
 The hand loop is what torch's documentation says to write: ``no_sync`` around a micro-batch that does not end its
 window (FSDP2: ``set_requires_gradient_sync``), the loss divided by its window's real size, autocast for bf16,
-``clip_grad_norm_(model.parameters())``.
+``clip_grad_norm_(model.parameters())``. Every collective either loop makes is counted per micro-step
+(``exact_loop.CollectiveCounter``: the ``torch.distributed`` calls from Python, DDP's gradient buckets).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from exact_loop import CollectiveCounter
 
 VOCAB, SEQ, CLASSES = 40, 8, 3
 MICRO_BATCHES, ACC, CLIP, LR = 5, 2, 0.5, 0.05
@@ -100,11 +102,13 @@ def world() -> int:
 
 
 # -- the hand-written loop ---------------------------------------------------------------------------------------
-def wrap_by_hand(model, parallel: str):
+def wrap_by_hand(model, parallel: str, counter: CollectiveCounter):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if world() > 1 and parallel in ("ddp", "zero1"):
-        return DDP(model, gradient_as_bucket_view=parallel == "zero1")
+        ddp = DDP(model, gradient_as_bucket_view=parallel == "zero1")
+        ddp.register_comm_hook(None, counter.ddp_hook)
+        return ddp
     if parallel in ("zero2", "zero3"):
         from torch.distributed.fsdp import fully_shard
 
@@ -137,14 +141,15 @@ def hand_loss(row: str, model, batch):
     return model(**batch).loss, lm_tokens(batch) if row == "token-mean" else None
 
 
-def hand_loop(row: str, prec: str, parallel: str, rank: int):
+def hand_loop(row: str, prec: str, parallel: str, rank: int, counter: CollectiveCounter):
     """Returns (model, losses). The token row weighs each micro-batch's mean loss by its real tokens and divides the
     window's sum by the window's tokens over every rank, as a per-token mean over the global batch is written."""
-    model = wrap_by_hand(model_for(row), parallel)
+    model = wrap_by_hand(model_for(row), parallel, counter)
     optimizer = hand_optimizer(model, parallel)
     dtype = torch.bfloat16 if prec == "bf16" else None
     losses, tokens = [], None
     for batch, (first, last, size) in zip(batches(row, rank), windows()):
+        counter.begin()
         if first:
             optimizer.zero_grad(set_to_none=True)
             tokens = torch.zeros(())
@@ -169,6 +174,7 @@ def hand_loop(row: str, prec: str, parallel: str, rank: int):
                     p.grad.mul_(world() / total)
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             optimizer.step()
+        counter.end()
     return model, losses
 
 
@@ -199,7 +205,7 @@ def library_parts(row: str):
     return None, None
 
 
-def library_loop(row: str, prec: str, parallel: str, loop: str, rank: int):
+def library_loop(row: str, prec: str, parallel: str, loop: str, rank: int, counter: CollectiveCounter):
     """The case through ``initialize`` and the engine loop or ``Trainer.fit``. Returns (engine, losses, metrics)."""
     import colossal_lite
     from colossal_lite.core import global_context as gpc
@@ -212,9 +218,12 @@ def library_loop(row: str, prec: str, parallel: str, loop: str, rank: int):
     engine, loader, _, _ = colossal_lite.initialize(model, lambda params: torch.optim.AdamW(params, lr=LR), criterion,
                                                     batches(row, rank), data_process_func=data_process_func,
                                                     verbose=False)
+    if hasattr(engine.model, "register_comm_hook"):  # DDP (ZeRO 1 too)
+        engine.model.register_comm_hook(None, counter.ddp_hook)
     losses = []
     if loop == "engine":  # the Hugging Face user's own loop
         for batch in loader:
+            counter.begin()
             engine.zero_grad()
             if data_process_func is None:
                 out = engine(**batch)
@@ -225,11 +234,16 @@ def library_loop(row: str, prec: str, parallel: str, loop: str, rank: int):
                 loss = engine.criterion(out[0] if row == "tuple-criterion" else out, y)
             engine.backward(loss, num_tokens=lm_tokens(batch) if row == "token-mean" else None)
             engine.step()
+            counter.end()
             losses.append(float(loss.detach().float()))
         return engine, losses, {}
 
     class Record(hooks.BaseHook):
+        def before_train_iter(self, trainer):
+            counter.begin()
+
         def after_train_iter(self, trainer, output, label, loss):
+            counter.end()
             losses.append(float(loss.detach().float()))
 
     trainer = Trainer(engine)
@@ -270,12 +284,16 @@ def hand_metrics(model, rank: int) -> dict:
 
 def compare(row: str, prec: str, parallel: str, loop: str, rank: int) -> dict:
     """One case, the library against the hand loop: the tensors that differ (and by how much), losses, metrics."""
-    hand_model, hand_losses = hand_loop(row, prec, parallel, rank)
-    engine, lib_losses, metrics = library_loop(row, prec, parallel, loop, rank)
+    hand_counter, lib_counter = CollectiveCounter(), CollectiveCounter()
+    with hand_counter.patched():
+        hand_model, hand_losses = hand_loop(row, prec, parallel, rank, hand_counter)
+    with lib_counter.patched():
+        engine, lib_losses, metrics = library_loop(row, prec, parallel, loop, rank, lib_counter)
     hand, lib = full_state(hand_model), full_state(engine.unwrapped_model)
     differ = {n: float((hand[n].double() - lib[n].double()).abs().max()) for n in hand if not torch.equal(hand[n], lib[n])}
     result = dict(differ=differ, names=sorted(hand), hand_losses=hand_losses, lib_losses=lib_losses,
-                  strategy=engine.strategy.name, metrics=metrics)
+                  strategy=engine.strategy.name, metrics=metrics, hand_collectives=hand_counter.steps,
+                  lib_collectives=lib_counter.steps)
     if row == "accuracy" and loop == "trainer":
         result["hand_metrics"] = hand_metrics(getattr(hand_model, "module", hand_model), rank)
     return result

@@ -1,8 +1,8 @@
 """Issue 33's table, each row against the hand-written Hugging Face loop (tests/hf_loop.py), bit for bit on
 parameters and buffers: a model that computes its own loss trains with no criterion; a criterion on a
 ``ModelOutput``'s logits; ``AccuracyHook`` on a ``ModelOutput``; ``config.return_dict=False`` with and without a
-criterion; per-token-mean with the batch's token count. One process here, two processes in one launch (DDP and
-ZeRO 1/2/3)."""
+criterion; per-token-mean with the batch's token count. The collectives of each micro-step are compared with the hand
+loop's too. One process here, two processes in one launch (DDP and ZeRO 1/2/3)."""
 import json
 
 import pytest
@@ -26,6 +26,8 @@ def check(result: dict, case) -> None:
     assert result["differ"] == {}, f"{case}: these tensors differ from the hand loop (max abs diff): {result['differ']}"
     assert result["lib_losses"] == result["hand_losses"], case
     assert len(result["lib_losses"]) == hf_loop.MICRO_BATCHES, case
+    assert result["lib_collectives"] == result["hand_collectives"], \
+        f"{case}: collectives per micro-step\n  hand {result['hand_collectives']}\n  lib  {result['lib_collectives']}"
     if "hand_metrics" in result:
         metrics, hand = result["metrics"], result["hand_metrics"]
         assert metrics["test/Accuracy"] == hand["test/Accuracy"], (case, metrics, hand)
@@ -55,5 +57,11 @@ def test_two_processes_equal_the_hand_loop(two_ranks, case):
     for rank, results in enumerate(two_ranks):
         result = results["/".join(case)]
         check(result, (rank, *case))
+    collectives = two_ranks[0]["/".join(case)]["lib_collectives"]
+    if case[2] in ("ddp", "zero1"):  # DDP all-reduces its buckets only at each window's end: windows of 2, 2, 1
+        assert [s.get("ddp_grad_bucket", 0) > 0 for s in collectives] == [False, True, False, True, True], collectives
+    else:
+        assert [s.get("reduce_scatter_single", 0) > 0 for s in collectives] == [False, True, False, True, True], \
+            collectives
     expected = {"ddp": "torch DDP", "zero1": "ZeRO stage 1", "zero2": "ZeRO stage 2", "zero3": "ZeRO stage 3"}[case[2]]
     assert two_ranks[0]["/".join(case)]["strategy"].startswith(expected)

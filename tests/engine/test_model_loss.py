@@ -196,3 +196,23 @@ def test_accuracy_hook_says_where_logits_and_labels_are_missing(launched):
     with pytest.raises(TypeError, match=r"AccuracyHook\(labels_from=...\) must be a function"):
         hooks.AccuracyHook(Accuracy(), labels_from="labels")
     assert trainer.engine is engine
+
+
+def test_the_models_loss_with_a_token_count_makes_no_host_sync(launched):
+    from sync_counter import count_syncs
+
+    launched(dict(gradient_accumulation=2, clip_grad_norm=CLIP, grad_reduction="per-token-mean"))
+    criterion = ModelLoss(num_tokens=lambda batch: (batch["labels"] >= 0).sum())  # a count on the device
+    engine, loader, _, _ = colossal_lite.initialize(OwnLoss(), optimizer_of, criterion, dict_batches(), verbose=False)
+    accuracy = hooks.AccuracyHook(Accuracy(), track_train=True)
+    trainer = Trainer(engine)
+    accuracy.after_hook_is_attached(trainer)
+    with count_syncs() as calls:
+        it = iter(loader)
+        for _ in range(len(loader)):
+            engine.zero_grad()
+            output, label, loss = engine.execute_schedule(it)
+            accuracy.after_train_iter(trainer, output, label, loss)  # the metric stays on the device
+            engine.step()
+    assert all(not v for v in calls.values()), calls
+    assert engine.num_updates == 3
