@@ -13,8 +13,8 @@ one row of issue 33's table, with accumulation 2 over 5 micro-batches (a partial
 - ``token-mean``: no criterion, ``grad_reduction='per-token-mean'`` with the batch's token count
 
 The hand loop is what torch's documentation says to write: ``no_sync`` around a micro-batch that does not end its
-window (FSDP2: ``set_requires_gradient_sync``), the loss divided by its window's real size, autocast for bf16,
-``clip_grad_norm_(model.parameters())``. Every collective either loop makes is counted per micro-step
+window (FSDP2: ``set_requires_gradient_sync``), the loss divided by its window's real size, autocast for bf16 and
+fp16, ``GradScaler`` for fp16, ``clip_grad_norm_(model.parameters())``. Every collective either loop makes is counted per micro-step
 (``exact_loop.CollectiveCounter``: the ``torch.distributed`` calls from Python, DDP's gradient buckets).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from exact_loop import CollectiveCounter
 
 VOCAB, SEQ, CLASSES = 40, 8, 3
-MICRO_BATCHES, ACC, CLIP, LR = 5, 2, 0.5, 0.05
+MICRO_BATCHES, ACC, CLIP, LR, INIT_SCALE = 5, 2, 0.5, 0.05, 1024.0
 ROWS = ("own-loss", "logits-criterion", "accuracy", "tuple", "tuple-criterion", "token-mean")
 CLASSIFIER_ROWS = ("logits-criterion", "accuracy", "tuple", "tuple-criterion")  # BERT; the others train GPT-2
 
@@ -146,7 +146,8 @@ def hand_loop(row: str, prec: str, parallel: str, rank: int, counter: Collective
     window's sum by the window's tokens over every rank, as a per-token mean over the global batch is written."""
     model = wrap_by_hand(model_for(row), parallel, counter)
     optimizer = hand_optimizer(model, parallel)
-    dtype = torch.bfloat16 if prec == "bf16" else None
+    dtype = dict(fp32=None, bf16=torch.bfloat16, fp16=torch.float16)[prec]
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, enabled=prec == "fp16")
     losses, tokens = [], None
     for batch, (first, last, size) in zip(batches(row, rank), windows()):
         counter.begin()
@@ -160,9 +161,9 @@ def hand_loop(row: str, prec: str, parallel: str, rank: int, counter: Collective
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
                 loss, n = hand_loss(row, model, batch)
             if n is None:
-                (loss / size).backward()
+                scaler.scale(loss / size).backward()
             else:
-                (loss * n).backward()
+                scaler.scale(loss * n).backward()
                 tokens += n
         losses.append(float(loss.detach().float()))
         if last:
@@ -172,8 +173,10 @@ def hand_loop(row: str, prec: str, parallel: str, rank: int, counter: Collective
                     dist.all_reduce(total)
                 for p in model.parameters():
                     p.grad.mul_(world() / total)
+            scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
         counter.end()
     return model, losses
 
@@ -185,6 +188,8 @@ def config_for(row: str, prec: str, parallel: str) -> dict:
     config = dict(gradient_accumulation=ACC, clip_grad_norm=CLIP)
     if prec == "bf16":
         config["fp16"] = dict(mode=AMP_TYPE.BF16)
+    elif prec == "fp16":
+        config["fp16"] = dict(mode=AMP_TYPE.TORCH, init_scale=INIT_SCALE)
     if parallel.startswith("zero"):
         config["zero"] = dict(stage=int(parallel[-1]))
     if row == "token-mean":
@@ -312,7 +317,7 @@ def run_all(cases, rank: int) -> dict:
 
 # the data-parallel cases of the 2-rank launch: every row with DDP, ZeRO 1/2/3 with the model's own loss
 DISTRIBUTED_CASES = [(row, "fp32", "ddp", "trainer") for row in ROWS] + [
-    ("own-loss", "bf16", "ddp", "trainer"), ("own-loss", "fp32", "ddp", "engine"),
+    ("own-loss", "bf16", "ddp", "trainer"), ("own-loss", "fp16", "ddp", "trainer"), ("own-loss", "fp32", "ddp", "engine"),
     ("own-loss", "fp32", "zero1", "trainer"), ("own-loss", "fp32", "zero2", "trainer"),
     ("own-loss", "fp32", "zero3", "trainer"), ("own-loss", "fp32", "zero3", "engine"),
     ("token-mean", "fp32", "zero3", "trainer")]

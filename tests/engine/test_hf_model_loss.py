@@ -16,6 +16,7 @@ import hf_loop  # noqa: E402  (after the skip: it builds transformers models)
 
 ONE_PROCESS = [(row, "fp32", "ddp", "trainer") for row in hf_loop.ROWS] + [
     ("own-loss", "fp32", "ddp", "engine"), ("own-loss", "bf16", "ddp", "trainer"), ("own-loss", "bf16", "ddp", "engine"),
+    ("own-loss", "fp16", "ddp", "trainer"), ("own-loss", "fp16", "ddp", "engine"), ("token-mean", "fp16", "ddp", "trainer"),
     ("logits-criterion", "bf16", "ddp", "engine"), ("tuple-criterion", "fp32", "ddp", "engine"),
     ("token-mean", "bf16", "ddp", "trainer"), ("token-mean", "fp32", "ddp", "engine")]
 
