@@ -7,8 +7,8 @@ Two processes: python -m torch.distributed.run --nproc_per_node 2 examples/hf_te
 The text is the one Python ships in its ``this`` module, read character by character (the vocabulary is its
 characters, so no tokenizer is needed). Every batch is a dict ``{'input_ids', 'labels'}`` as a Hugging Face
 collator gives it; ``model(**batch)`` returns a ``CausalLMOutput`` whose ``loss`` the engine trains on. Rank 0
-prints ``unigram baseline: Y`` (the entropy of the character frequencies, in nats), then ``final eval loss: X``
-and a greedy sample. ``--out DIR`` keeps a checkpoint per epoch in DIR/checkpoints and the model's config.json
+prints ``unigram baseline: Y`` (the entropy of the character frequencies, in nats), the metrics of each epoch,
+then a greedy sample and ``final eval loss: X``. ``--out DIR`` keeps the last checkpoint in DIR/checkpoints and the model's config.json
 in DIR, for ``colossal-lite ckpt export DIR/checkpoints OUT --hf DIR``.
 """
 from __future__ import annotations
