@@ -680,11 +680,10 @@ class Trainer:
         """Evaluation's steps, each followed by ``after_test_iter``; a distributed sampler's padded repeats are cut
         from each batch's outputs, labels and loss after its forward, so no hook or metric counts them."""
         st, h, timer, step = self.state, self._h, self._run_timer, self._step
-        with_loss = self._engine.criterion.wrapped is not None
         real = RealRows(loader)
         count = 0
         for batch in self._test_batches(loader, total):
-            step.forward_only(batch, with_loss, real.of(batch))
+            step.forward_only(batch, keep=real.of(batch))  # the loss: the criterion's, or the model's when it gives one
             timer.stop("Test-step", keep_in_history=True)
             output, label = (st.output, st.label) if return_output_label else (None, None)
             for fn in h.after_test_iter:
