@@ -25,13 +25,13 @@ PHASES: Dict[str, str] = {
     "optimizer": "clipping and optimizer step",
     "checkpoint": "checkpoint saves",
     "evaluation": "evaluation",
-    "loop": "the trainer's own loop (progress display, bookkeeping)",
+    "loop": "the trainer's own loop (progress display, bookkeeping; a loader without len is read ahead here)",
 }
 HOOK_PREFIX = "hook:"  # a hook's own time is the phase "hook:<its class name>"
 
 #: The fixed cost of launching one operator (the framework's dispatch and, on a GPU, the kernel launch): an
 #: operator whose arithmetic at the device's peak takes less than this is dominated by its launch.
-SMALL_KERNEL_S = 10e-6
+SMALL_KERNEL_S = 5e-6
 
 _SUGGESTIONS = {
     "data": "data-bound: raise the DataLoader's num_workers, set pin_memory=True, or make the dataset faster "
@@ -47,7 +47,7 @@ _SUGGESTIONS = {
                  "optimizer's work",
     "checkpoint": "checkpoints block training: save less often (SaveCheckpointHook's interval) or keep fewer files",
     "evaluation": "evaluate less often (fit's test_interval) or on a smaller test set",
-    "loop": "display_progress=False, or fewer hooks that act every iteration",
+    "loop": "display_progress=False; for a loader without len this is also its wait for data (give it a len)",
     "host syncs": "host syncs stall the device: remove the .item()/.cpu()/print of tensors at the places listed",
 }
 

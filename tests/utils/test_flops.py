@@ -10,6 +10,11 @@ from colossal_lite.trainer.hooks import LossHook, SpeedReportHook
 from colossal_lite.utils.flops import compute_kind, count_step_flops, lookup_peak_tflops, peak_flops
 
 
+#: Counting the FLOPs runs the model under torch dispatch modes, whose first use in a process imports torch's
+#: compiler front end (seconds): the tests that count are in the slow tier.
+COUNTS = pytest.mark.slow
+
+
 def mlp_hand_flops(widths, batch):
     """Training FLOPs of Linear layers ``widths[i] -> widths[i+1]``: forward 2*in*out per sample, backward twice
     that for the weight and input gradients, except the first layer's input, which needs no gradient."""
@@ -37,6 +42,7 @@ def lm_hand_flops(batch, tokens, vocab=50, d=32, layers=2):
     return 3 * batch * forward
 
 
+@COUNTS
 def test_mlp_flops_match_the_hand_count():
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 10))
     counted = count_step_flops(model, torch.randn(8, 32), torch.randint(0, 10, (8,)), nn.functional.cross_entropy, 8)
@@ -45,6 +51,7 @@ def test_mlp_flops_match_the_hand_count():
     assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())  # the model was not run
 
 
+@COUNTS
 def test_small_transformer_flops_within_5_percent_of_the_hand_count():
     x, y = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (32,))
     counted = count_step_flops(TinyLM(), x, y, nn.functional.cross_entropy, 2)
@@ -69,6 +76,7 @@ def fit_mfu(model, data, batch_size, peak_tflops, criterion=None):
     return hook, trainer.history
 
 
+@COUNTS
 def test_mfu_of_a_fit_within_5_percent_of_the_hand_count():
     mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
     runs = [(fit_mfu(mlp, TensorDataset(torch.randn(32, 32), torch.randint(0, 10, (32,))), 8, 2.0),
@@ -118,6 +126,7 @@ def test_peak_given_measured_or_said_plainly_missing():
     assert peak > 1e8 and note.endswith("GFLOP/s measured by a float32 matrix product on this CPU")
 
 
+@COUNTS
 def test_a_model_that_reads_a_value_has_no_mfu_and_the_report_says_why():
     class Reads(nn.Module):
         def __init__(self):

@@ -7,7 +7,9 @@ GPU, read only at the epoch's end and at the end of ``fit``, where the run reads
 """
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -91,13 +93,19 @@ class SpeedReportHook(MetricHook):
 
     ``peak_tflops``: the device's peak for MFU (default: the table in ``utils.flops`` for a GPU, a short matrix
     product on a CPU with ``measure_cpu_peak``, else no MFU). ``flops_per_sample``: give the model's training
-    FLOPs per sample instead of counting them (None: counted once on meta tensors).
+    FLOPs per sample instead of counting them (None: counted once on meta tensors). ``warmup_steps``: the first
+    optimizer steps of the fit, left out of every figure (their one-time costs: allocation, autotuning, compilation).
     """
 
     def __init__(self, breakdown: bool = True, report: bool = True, peak_tflops: Optional[float] = None,
-                 measure_cpu_peak: bool = True, flops_per_sample: Optional[float] = None, logger=None,
-                 priority: int = 10):
+                 measure_cpu_peak: bool = True, flops_per_sample: Optional[float] = None, warmup_steps: int = 1,
+                 logger=None, priority: int = 10):
         super().__init__(priority)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"SpeedReportHook(warmup_steps={warmup_steps!r}): give the optimizer steps to leave out "
+                             f"at the start of fit as an int >= 0")
+        self.warmup_steps = warmup_steps
+
         if peak_tflops is not None and not (isinstance(peak_tflops, (int, float)) and peak_tflops > 0):
             raise ValueError(f"SpeedReportHook(peak_tflops={peak_tflops!r}): give the device's dense peak in "
                              f"TFLOP/s as a positive number (e.g. 989.4 for an H100 SXM in bf16), or None")
@@ -126,7 +134,11 @@ class SpeedReportHook(MetricHook):
         self._counts_tokens = hasattr(engine.reduction, "tokens")
         self._fit, self._epoch_totals = _Totals(), _Totals()
         self._last_step: Dict[str, Any] = {}
-        self._recorded: Dict[str, float] = {}
+        self._recorded: Dict[str, float] = {}  # phase seconds up to the last record (and the warm-up's)
+        self._baseline: Dict[str, float] = {}  # phase seconds of the warm-up steps, left out of the report
+        self._steps_seen = self._micro_batches = self._micro_samples = 0
+        self._sync_watch: Any = None  # the warnings caught while torch's sync debug mode is on (False: done)
+        self.sync_counts: Dict[str, int] = {}  # host syncs seen on a GPU, by Python line
         self._register(trainer)
         self.timeline = Timeline(make_clock(device_of(trainer)))
         if self.breakdown:
@@ -208,9 +220,8 @@ class SpeedReportHook(MetricHook):
 
     def after_batch_loaded(self, trainer):
         size = trainer.engine.schedule.batch_size
-        for totals in (self._fit, self._epoch_totals):
-            totals.micro_batches += 1
-        self._micro_samples = getattr(self, "_micro_samples", 0) + (1 if size is None else size)
+        self._micro_batches += 1
+        self._micro_samples += 1 if size is None else size
         if self.flops is None and not self.flops_note:  # once; its time is neither the step's nor a phase's
             back = self.timeline.switch("report") if self.breakdown else None
             start = time.perf_counter()
@@ -227,6 +238,7 @@ class SpeedReportHook(MetricHook):
             self.timeline.split(grads_done, "communication")
 
     def before_test(self, trainer):
+        self._watch_syncs(False)
         for name in self._own["test"]:
             trainer.states["metrics"]["test"][name].reset()
 
@@ -238,7 +250,7 @@ class SpeedReportHook(MetricHook):
             self._step_done()
 
     def after_train_epoch(self, trainer):
-        pass  # (the epoch's figures are read by the history's recorder, after this)
+        self._watch_syncs(False)  # (the epoch's figures are read after this: a read the user asked for)
 
     def after_train(self, trainer):
         self._finish(trainer)
@@ -265,12 +277,24 @@ class SpeedReportHook(MetricHook):
                                f"{err}); give SpeedReportHook(flops_per_sample=...)")
 
     def _step_done(self) -> None:
-        """One optimizer step ended: its figures (host numbers, and a device tensor for tokens)."""
+        """One optimizer step ended: its figures (host numbers, and a device tensor for tokens). The warm-up steps
+        (their one-time costs: allocation, autotuning, compilation) are left out of every figure."""
         now = time.perf_counter()
         seconds, self._stamp = max(now - self._stamp, 1e-9), now
-        samples, self._micro_samples = getattr(self, "_micro_samples", 0), 0
+        samples, micro_batches, self._micro_samples, self._micro_batches = self._micro_samples, self._micro_batches, 0, 0
+        self._steps_seen += 1
+        watch_from = max(self.warmup_steps, 1)
+        if self._steps_seen in (watch_from, watch_from + self.sync_check_steps):
+            self._watch_syncs(self._steps_seen == watch_from)
+        if self._steps_seen <= self.warmup_steps:
+            if self.breakdown and self._steps_seen == self.warmup_steps:
+                self.timeline.switch(self.timeline.phase)  # (the open phase's time so far is the warm-up's)
+                self._baseline = dict(self.timeline.settle())
+                self._recorded = dict(self._baseline)
+            return
         tokens = self._tokens if self._counts_tokens else None
         for totals in (self._fit, self._epoch_totals):
+            totals.micro_batches += micro_batches
             totals.samples += samples
             totals.seconds += seconds
             totals.steps += 1
@@ -330,19 +354,43 @@ class SpeedReportHook(MetricHook):
                                               device=self._engine.device)).tolist()
         return values[0] / self._world
 
+    #: Optimizer steps after the warm-up during which a GPU run watches for host syncs (torch's sync debug mode).
+    sync_check_steps = 3
+
+    def _watch_syncs(self, start: bool) -> None:
+        """On a GPU, start or stop torch's sync debug mode ("warn"); each sync's Python line is counted."""
+        watching = isinstance(self._sync_watch, list)
+        if self._engine.device.type != "cuda" or (start and self._sync_watch is not None) or not (start or watching):
+            return
+        if start:
+            self._sync_catcher = warnings.catch_warnings(record=True)
+            self._sync_watch = self._sync_catcher.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        self._sync_catcher.__exit__(None, None, None)
+        for caught in self._sync_watch:
+            if "synchroniz" in str(caught.message):
+                site = f"{os.path.basename(caught.filename)}:{caught.lineno}"
+                self.sync_counts[site] = self.sync_counts.get(site, 0) + 1
+        self._sync_watch = False  # (watched once per fit)
+
     def _finish(self, trainer) -> None:
         """The end of fit: the whole run's figures and the report; the run's own metrics and hooks removed."""
+        self._watch_syncs(False)
         for handle in self._handles:
             handle.remove()
         self._handles = []
         phases = self._phases(trainer) + ["evaluation"] if self.breakdown else []
-        seconds = self._phase_seconds({}, phases) if self.breakdown else {}
+        seconds = self._phase_seconds(self._baseline, phases) if self.breakdown else {}
         fit = self._reduced(self._fit, seconds)
         self.figures = SpeedFigures(
             seconds={p: fit[p] for p in seconds if fit[p] > 0}, steps=self._fit.steps, micro_batches=self._fit.micro_batches,
             world_size=self._world, samples_per_s=fit["samples_per_s"], tokens_per_s=fit["tokens_per_s"],
             mfu=fit["mfu"], peak_note=self.flops_note or self.peak_note, ops_per_micro_batch=fit["ops_per_micro_batch"],
-            flops_per_micro_batch=fit["flops_per_micro_batch"], peak_flops=self._peak)
+            flops_per_micro_batch=fit["flops_per_micro_batch"], peak_flops=self._peak,
+            sync_sites=[f"{site} ({n}x)" for site, n in sorted(self.sync_counts.items(), key=lambda kv: -kv[1])])
         self.report_text = format_report(self.figures)
         if self.report:
             log_rank_0(self.logger or trainer.logger or get_dist_logger(), self.report_text)
