@@ -9,7 +9,6 @@ from colossal_lite.trainer import Trainer
 from colossal_lite.trainer.hooks import LossHook, SpeedReportHook
 from colossal_lite.utils.flops import compute_kind, count_step_flops, lookup_peak_tflops, peak_flops
 
-
 #: Counting the FLOPs runs the model under torch dispatch modes, whose first use in a process imports torch's
 #: compiler front end (seconds): the tests that count are in the slow tier.
 COUNTS = pytest.mark.slow
