@@ -246,3 +246,16 @@ def test_causes_are_ranked_with_one_suggestion_each():
     assert causes[3].suggestion.startswith("EMAHook takes 50 ms per step")
     text = format_report(figures)
     assert text.splitlines()[0] == "Speed report: 10 optimizer steps on 2 rank(s), 100 samples/s (50 per rank)"
+
+
+@COUNTS
+def test_the_docs_example_runs_and_names_the_loader(tmp_path, monkeypatch, capsys):
+    from dist_helpers import doc_python_blocks
+
+    (snippet,) = [block for block in doc_python_blocks("docs/throughput.md") if "SpeedReportHook()" in block]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "docs/throughput.md", "exec"), {"__name__": "__main__"})
+    out = capsys.readouterr().out
+    assert "first cause: data" in out and "Speed report: 7 optimizer steps on 1 rank(s)" in out
+    assert cli_main(["report", "run"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].endswith("waiting for data")
