@@ -2,6 +2,7 @@
 injected bottlenecks (each report names its cause first); ``colossal-lite report`` reads the same from the file."""
 import json
 import logging
+import re
 import time
 
 import pytest
@@ -76,11 +77,11 @@ def build(model=None, data=None, batch_size=8):
     return engine, loader
 
 
-def fit(hooks, model=None, data=None, epochs=1, log_dir=False, count_flops=False, **kwargs):
+def fit(hooks, model=None, data=None, epochs=1, log_dir=False, count_flops=False, display=False, **kwargs):
     engine, loader = build(model, data)
     speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=None if count_flops else FLOPS, **kwargs)
     trainer = Trainer(engine)
-    trainer.fit(loader, epochs=epochs, hooks=[speed] + list(hooks), log_dir=log_dir)
+    trainer.fit(loader, epochs=epochs, hooks=[speed] + list(hooks), log_dir=log_dir, display_progress=display)
     return speed, trainer, engine
 
 
@@ -129,7 +130,7 @@ def test_throughput_and_mfu_in_history_metrics_file_logs_and_the_cli_report(tmp_
     caplog.set_level(logging.INFO)
     logger = logging.getLogger("speed-test")
     speed, trainer, _ = fit([LossHook(), LogMetricByStepHook(), LogMetricByEpochHook(logger=logger), SleepyHook()],
-                            epochs=2, log_dir=tmp_path)
+                            epochs=2, log_dir=tmp_path, display=True)
     history = trainer.history
     sps = history["train/samples_per_s"]
     assert len(sps) == 2 and all(v > 0 for v in sps)
@@ -144,6 +145,8 @@ def test_throughput_and_mfu_in_history_metrics_file_logs_and_the_cli_report(tmp_
     names = {r["name"] for r in read_metrics(tmp_path / "metrics.jsonl")}
     assert {"train/samples_per_s", "train/samples_per_s_step", "train/mfu", "train/time/data",
             "train/time/hook:SleepyHook", "train/speed/steps"} <= names
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[Epoch 1 / Train]")]
+    assert progress and re.search(r" samples_per_s=[\d.e+]+ samples_per_s_per_rank=[\d.e+]+ mfu=", progress[-1])
     # the command line reads the same run and names the same first cause
     assert cli_main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -259,3 +262,11 @@ def test_the_docs_example_runs_and_names_the_loader(tmp_path, monkeypatch, capsy
     assert "first cause: data" in out and "Speed report: 7 optimizer steps on 1 rank(s)" in out
     assert cli_main(["report", "run"]) == 0
     assert capsys.readouterr().out.splitlines()[2].endswith("waiting for data")
+
+
+def test_the_bar_shortens_the_throughput_names():
+    from colossal_lite.trainer.progress import info_candidates
+
+    full, compact = list(info_candidates("10 batch/s", "", {"samples_per_s": 12345.6, "tokens_per_s_per_rank": 3.5}))[:2]
+    assert full == "10 batch/s samples_per_s=12346 tokens_per_s_per_rank=3.5"
+    assert compact == "10 batch/s samples/s=12346 tokens/s/rank=3.5"
