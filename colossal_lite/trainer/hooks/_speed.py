@@ -105,7 +105,6 @@ class SpeedReportHook(MetricHook):
             raise ValueError(f"SpeedReportHook(warmup_steps={warmup_steps!r}): give the optimizer steps to leave out "
                              f"at the start of fit as an int >= 0")
         self.warmup_steps = warmup_steps
-
         if peak_tflops is not None and not (isinstance(peak_tflops, (int, float)) and peak_tflops > 0):
             raise ValueError(f"SpeedReportHook(peak_tflops={peak_tflops!r}): give the device's dense peak in "
                              f"TFLOP/s as a positive number (e.g. 989.4 for an H100 SXM in bf16), or None")
@@ -127,6 +126,7 @@ class SpeedReportHook(MetricHook):
         if not trainer.state.fitting:
             return
         self._check_metric_states_initialization(trainer)
+        self._release()  # (what a fit that raised before its end left behind)
         engine = self._engine = trainer.engine
         self._world = world_size()
         self._peak, self.peak_note = peak_flops(device_of(trainer), compute_kind(engine.precision.name),
@@ -376,12 +376,17 @@ class SpeedReportHook(MetricHook):
                 self.sync_counts[site] = self.sync_counts.get(site, 0) + 1
         self._sync_watch = False  # (watched once per fit)
 
-    def _finish(self, trainer) -> None:
-        """The end of fit: the whole run's figures and the report; the run's own metrics and hooks removed."""
-        self._watch_syncs(False)
+    def _release(self) -> None:
+        """Stop watching for syncs and remove the gradient hooks from the model."""
+        if getattr(self, "_engine", None) is not None:
+            self._watch_syncs(False)
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def _finish(self, trainer) -> None:
+        """The end of fit: the whole run's figures and the report; the run's own metrics and hooks removed."""
+        self._release()
         phases = self._phases(trainer) + ["evaluation"] if self.breakdown else []
         seconds = self._phase_seconds(self._baseline, phases) if self.breakdown else {}
         fit = self._reduced(self._fit, seconds)
