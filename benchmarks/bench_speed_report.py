@@ -5,7 +5,7 @@ noisy machine slows them alike): the hand loop (``zero_grad``, forward, ``cross_
 ``step``), ``Trainer.fit`` with ``LossHook`` only, the same with ``SpeedReportHook(breakdown=False)``
 (throughput and MFU), and with ``SpeedReportHook()`` (the phase breakdown too). Steps per second are timed
 over each fit after a warm-up fit; the medians of ``--rounds`` and each Trainer's median ratio to the hand loop
-of the same round are printed, then the peak resident memory of the process (ru_maxrss) after all of them.
+of the same round (and to the fit with ``LossHook`` only) are printed, then the peak resident memory of the process (ru_maxrss) after all of them.
 
     python benchmarks/bench_speed_report.py [--rounds 7] [--steps 200] [--width 256]
 """
@@ -75,12 +75,14 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, run in contestants.items():
             rates[name].append(run())
-    base = rates["hand loop"]
+    base, fit = rates["hand loop"], rates["fit, LossHook"]
     print(f"{args.steps} steps of a {args.width}-wide MLP, batch 32, 1 thread; medians of {args.rounds} "
-          f"interleaved rounds")
+          f"interleaved rounds (ratios: medians of each round's ratio)")
     for name, values in rates.items():
         ratio = statistics.median(v / b for v, b in zip(values, base))
-        print(f"  {name:<42} {statistics.median(values):8.1f} steps/s   x{ratio:.3f} of the hand loop")
+        to_fit = statistics.median(v / b for v, b in zip(values, fit))
+        print(f"  {name:<42} {statistics.median(values):8.1f} steps/s   x{ratio:.3f} of the hand loop, "
+              f"x{to_fit:.3f} of fit with LossHook")
     print(f"peak resident memory of the process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 
