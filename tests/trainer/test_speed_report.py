@@ -215,6 +215,9 @@ def test_bad_options_say_what_to_give():
         SpeedReportHook(peak_tflops=-1)
     with pytest.raises(ValueError, match=r"flops_per_sample='x'\): give the training FLOPs of one sample"):
         SpeedReportHook(flops_per_sample="x")
+    with pytest.raises(ValueError, match=r"warmup_steps=-1\): give the optimizer steps to leave out at the start "
+                                         r"of fit as an int >= 0"):
+        SpeedReportHook(warmup_steps=-1)
 
 
 def test_cli_report_of_a_run_without_the_hook_says_how_to_record_one(tmp_path, capsys):
