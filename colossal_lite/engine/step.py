@@ -42,6 +42,10 @@ class TrainStep:
     ``owner`` (the Trainer) as their first argument; ``record`` receives what each line produced, and what a
     handler writes there (a new batch, target or loss) is what the next line uses."""
 
+    #: Functions called with no argument as each batch starts to load: a speed report marks there the end of
+    #: the wait for data and the start of the host-to-device copy (no event fires between the two).
+    before_load: tuple = ()
+
     def __init__(self, engine, record: Any = None, events: Any = NO_EVENTS, owner: Any = None):
         self.engine = engine
         self.record = record if record is not None else StepRecord()
@@ -66,6 +70,8 @@ class TrainStep:
         """Put the batch on the engine's device and split it into ``(data, label)``; a handler of
         ``after_batch_loaded`` may replace the whole batch (it is split again) or its parts."""
         rec, owner, schedule = self.record, self.owner, self.engine.schedule
+        for fn in self.before_load:
+            fn()
         placed = schedule.current_batch = move_to_device(batch, self.engine.device)
         rec.batch = placed
         rec.data, rec.label = schedule.split(placed)
