@@ -51,8 +51,8 @@ def generated_text(lines: int, seed: int):
 class Corpus:
     def __init__(self):
         self.dictionary = Dictionary()
-        self.train = self.tokenize(generated_text(120, seed=1))
-        self.valid = self.tokenize(generated_text(30, seed=2))
+        self.train = self.tokenize(generated_text(40, seed=1))
+        self.valid = self.tokenize(generated_text(12, seed=2))
 
     def tokenize(self, lines):
         ids = []
