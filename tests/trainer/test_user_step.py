@@ -17,6 +17,7 @@ import torch
 import user_step_programs as programs
 import word_language_model_loop as lm
 from dist_helpers import run_torchrun
+from sync_counter import count_syncs
 from torch import nn
 
 import colossal_lite
@@ -128,6 +129,17 @@ def test_a_bare_function_step_equals_the_trainers_own_step(accumulation):
     assert user_history.without_time() == own_history.without_time()
     assert len(user_history["lr"]) == math.ceil(5 / accumulation) * 2
     assert user_trainer.cur_step == own_trainer.cur_step == math.ceil(5 / accumulation) * 2
+
+
+def test_a_user_step_adds_no_host_device_sync_per_step():
+    """The syncs of a run (reading the loss guard at the epoch's end...) do not grow with its steps."""
+    def syncs(n):
+        engine = _engine(2)
+        with count_syncs() as calls:
+            Trainer(engine).fit(_batches(n), epochs=1, step=_plain_step, hooks=[LossHook()], log_dir=False)
+        return {method: len(where) for method, where in calls.items()}
+
+    assert syncs(4) == syncs(12)
 
 
 def test_every_engine_of_the_step_is_in_eval_mode_inside_the_evaluate_function():
