@@ -39,10 +39,10 @@ def _assert_resumed(result, where):
     assert len(result["resumed_losses"]) == programs.EPOCHS * programs.BATCHES - 3
 
 
-def _assert_lm_same(result, where, hand_evals):
+def _assert_lm_same(result, where, hand_evals, world=1):
     assert result["differ"] == {}, f"{where}: tensors differ from the hand loop: {result['differ']}"
     assert result["lib_losses"] == result["hand_losses"], f"{where}: the training losses differ"
-    assert len(result["lib_losses"]) == lm.EPOCHS * len(lm.batches(lm.build()[2]))
+    assert len(result["lib_losses"]) == lm.EPOCHS * len(lm.batches(lm.build(0, world)[2]))
     # The validation loss is the same sum, in another order: the hand loop adds Python floats, LossHook sums float32
     # tensors (over ranks too), so it agrees to float32 rounding, not bit for bit.
     expected = [sum(total for total, _ in epoch) / sum(n for _, n in epoch) for epoch in hand_evals]
@@ -81,7 +81,8 @@ def test_the_programs_on_two_ranks_equal_their_hand_loops_and_resume_exactly(tmp
         _assert_gan_same(result["gan"], f"rank {rank}")
         _assert_gan_same(result["gan_d_accumulation"], f"rank {rank}, discriminator accumulating 2")
         _assert_resumed(result["resume"], f"rank {rank}")
-        _assert_lm_same(result["lm"], f"rank {rank}", list(zip(*(r["lm"]["hand_evals"] for r in results))))
+        _assert_lm_same(result["lm"], f"rank {rank}", list(zip(*(r["lm"]["hand_evals"] for r in results))),
+                       world=2)
     assert results[0]["gan"]["lib_losses"] != results[1]["gan"]["lib_losses"], "both ranks trained on the same data"
 
 
