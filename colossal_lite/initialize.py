@@ -86,7 +86,8 @@ def _engine_config(launch_config, overrides):
         hint = f"did you mean '{meant[0]}'? " if meant else ""
         raise ValueError(f"initialize(config=...): '{key}' is not an engine feature; {hint}an engine's own features "
                          f"are {', '.join(ENGINE_KEYS)}")
-    merged = Config({**dict(launch_config), **overrides})
+    # None takes the launch config's setting away for this engine (it gets the default), e.g. zero=None
+    merged = Config({key: value for key, value in {**dict(launch_config), **overrides}.items() if value is not None})
     try:
         validate_config(merged)
     except ConfigException as err:
@@ -224,7 +225,8 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     ``model`` may be a module or a callable that builds one; ``optimizer`` an optimizer or a
     callable taking the parameters. Works before ``launch`` too (as one process, fp32).
     ``config``: this engine's own features over the launch config (``ENGINE_KEYS``, e.g.
-    ``dict(gradient_accumulation=2, grad_reduction='sum')``), so engines of one program may differ.
+    ``dict(gradient_accumulation=2, grad_reduction='sum')``; a key set to None: without the launch config's
+    setting), so engines of one program may differ.
     """
     if ophooks:
         raise ValueError("initialize(ophooks=...): op-hooks (Gemini) are not supported by colossal_lite; remove the argument")

@@ -9,7 +9,8 @@ window's other micro-batches, and the discriminator frozen for the generator's u
 the generator's backward adds nothing to the gradients it is accumulating.
 
 Used in the test process (one process) and as a torchrun script (``user_step_programs.py OUT CKPT_DIR``) that
-runs every comparison, the word-language-model one included, in one 2-rank launch.
+runs every comparison, the word-language-model one included, in one 2-rank launch; there the discriminator also
+runs under ZeRO stage 2 (its own feature) in a run that must resume exactly.
 """
 from __future__ import annotations
 
@@ -114,8 +115,10 @@ def gan_step(engine_g, engine_d, d_accumulation: int):
     return train
 
 
-def library(rank: int, d_accumulation: int = 1, max_steps=None, checkpoint_dir=None, resume: bool = False):
-    """The same program under ``Trainer.fit``; -> (net_g, net_d, losses of the iterations this fit ran)."""
+def library(rank: int, d_accumulation: int = 1, max_steps=None, checkpoint_dir=None, resume: bool = False,
+            d_zero=None):
+    """The same program under ``Trainer.fit`` (``d_zero``: the discriminator's ZeRO stage, None: none); -> (net_g,
+    net_d, losses of the iterations this fit ran)."""
     import colossal_lite
     from colossal_lite.trainer import Trainer, UserStep
     from colossal_lite.trainer.hooks import SaveCheckpointHook
@@ -123,7 +126,8 @@ def library(rank: int, d_accumulation: int = 1, max_steps=None, checkpoint_dir=N
     net_g, net_d, opt_g, opt_d = build_gan()
     engine_g, *_ = colossal_lite.initialize(net_g, opt_g, nn.BCELoss(), verbose=False)
     engine_d, *_ = colossal_lite.initialize(net_d, opt_d, nn.BCELoss(), verbose=False,
-                                            config=dict(gradient_accumulation=d_accumulation))
+                                            config=dict(gradient_accumulation=d_accumulation,
+                                                        zero=dict(stage=d_zero) if d_zero else None))
     recorder = GanLosses()
     hooks = [recorder] + ([SaveCheckpointHook("3ba", checkpoint_dir=checkpoint_dir)] if checkpoint_dir else [])
     step = UserStep(gan_step(engine_g, engine_d, d_accumulation),
@@ -144,12 +148,13 @@ class GanLosses(BaseHook):
         self.losses.append([float(output["Loss_D"].detach()), float(output["Loss_G"].detach())])
 
 
-def differing(nets_a, nets_b) -> dict:
-    """Parameters and buffers of (generator, discriminator) that differ, with their largest difference."""
+def differing(nets_a, nets_b, buffers_of: str = "GD") -> dict:
+    """Parameters and buffers (of the networks ``buffers_of`` names) of (generator, discriminator) that differ, with
+    their largest difference."""
     differ = {}
     for tag, a, b in zip("GD", nets_a, nets_b):
         theirs = dict(list(b.named_parameters()) + list(b.named_buffers()))
-        for name, t in list(a.named_parameters()) + list(a.named_buffers()):
+        for name, t in list(a.named_parameters()) + (list(a.named_buffers()) if tag in buffers_of else []):
             if not torch.equal(t, theirs[name]):
                 differ[f"{tag}.{name}"] = float((t.double() - theirs[name].double()).abs().max())
     return differ
@@ -161,13 +166,16 @@ def compare(rank: int, world: int, d_accumulation: int) -> dict:
     return dict(differ=differing((hand_g, hand_d), (lib_g, lib_d)), hand_losses=hand_losses, lib_losses=lib_losses)
 
 
-def resume(rank: int, d_accumulation: int, checkpoint_dir) -> dict:
-    """An uninterrupted run against one stopped after 3 steps (the discriminator inside its window) and resumed
-    from its checkpoint by a fresh program."""
-    full_g, full_d, full_losses = library(rank, d_accumulation)
-    library(rank, d_accumulation, max_steps=3, checkpoint_dir=checkpoint_dir)
-    res_g, res_d, res_losses = library(rank, d_accumulation, checkpoint_dir=checkpoint_dir, resume=True)
-    return dict(differ=differing((full_g, full_d), (res_g, res_d)), full_losses=full_losses[3:],
+def resume(rank: int, d_accumulation: int, checkpoint_dir, d_zero=None) -> dict:
+    """An uninterrupted run against one stopped after 3 steps (the discriminator inside its window with
+    accumulation) and resumed from its checkpoint by a fresh program."""
+    full_g, full_d, full_losses = library(rank, d_accumulation, d_zero=d_zero)
+    library(rank, d_accumulation, max_steps=3, checkpoint_dir=checkpoint_dir, d_zero=d_zero)
+    res_g, res_d, res_losses = library(rank, d_accumulation, checkpoint_dir=checkpoint_dir, resume=True, d_zero=d_zero)
+    # Under ZeRO stage 2 nothing syncs buffers, so each rank's BatchNorm running statistics differ, and a checkpoint
+    # keeps one rank's copy (for the Trainer's own engine too): the discriminator's buffers are not compared there.
+    differ = differing((full_g, full_d), (res_g, res_d), buffers_of="GD" if d_zero is None else "G")
+    return dict(differ=differ, full_losses=full_losses[3:],
                 resumed_losses=res_losses)
 
 
@@ -180,7 +188,8 @@ if __name__ == "__main__":
     colossal_lite.launch_from_torch(config={}, verbose=False)
     rank, world = gpc.get_global_rank(), gpc.get_world_size()
     result = dict(gan=compare(rank, world, 1), gan_d_accumulation=compare(rank, world, 2),
-                  resume=resume(rank, 2, sys.argv[2]), lm=word_language_model_loop.differences(rank, world))
+                  resume=resume(rank, 2, sys.argv[2]), resume_d_zero2=resume(rank, 1, sys.argv[2] + "-zero2", d_zero=2),
+                  lm=word_language_model_loop.differences(rank, world))
     with open(f"{sys.argv[1]}.rank{rank}", "w") as f:
         json.dump(result, f)
     gpc.destroy()

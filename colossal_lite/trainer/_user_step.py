@@ -127,31 +127,45 @@ class UserStepRunner:
         """Announce the batch's place to every engine, run the user's function, then record its results."""
         st, main = self.state, self.main
         st.stepped = st.updated = False
-        main.window.expect(where)
-        index = st.batch_idx
-        for engine in self.others:
-            window = engine.window
-            window.continue_at(index)  # (a restored window continues; one left open elsewhere is dropped)
-            window.expect(where if window.size == main.window.size else window.plan(index, st.iters_per_epoch))
+        places = self._announce(where, st.batch_idx)
         st.batch, st.data = move_to_device(batch, main.device), None
         for fn in self.events.after_batch_loaded:
             fn(self.trainer)
         before = main.num_updates
         st.output, st.label, st.loss = _results(self.train_fn(self.trainer, st.batch), "train")
-        self._check_windows_closed()
+        self._settle(places)
         if where.last:
             st.stepped, st.updated = True, main.num_updates != before
             for fn in self.events.after_optimizer_step:
                 fn(self.trainer)
 
-    def _check_windows_closed(self) -> None:
-        """An engine whose window's last micro-batch went backward must have stepped (a flag read, no device sync)."""
-        for engine in [self.main] + self.others:
-            if engine.window.complete:
-                name = self.names[id(engine)]
+    def _announce(self, where, index: int) -> List[Tuple[Any, Any]]:
+        """Tell each engine where micro-batch ``index`` stands in its window; -> ``(engine, place)`` pairs."""
+        main = self.main
+        main.window.expect(where)
+        places = [(main, where)]
+        for engine in self.others:
+            window = engine.window
+            window.continue_at(index)  # (a restored window continues; one left open elsewhere is dropped)
+            place = where if window.size == main.window.size else window.plan(index, self.state.iters_per_epoch)
+            window.expect(place)
+            places.append((engine, place))
+        return places
+
+    def _settle(self, places: List[Tuple[Any, Any]]) -> None:
+        """After the user's function (flag reads, no device sync): an engine whose window's last micro-batch went
+        backward must have stepped; a window that ended with this batch is left closed, as the Trainer's own step
+        leaves it. A forward through an engine after its step (a GAN's discriminator judging the generator's
+        output for the generator's loss) opens a micro-batch that no backward of that engine belongs to: it is
+        dropped, so checkpoints find the window at its start."""
+        for engine, place in places:
+            window = engine.window
+            if window.complete:
                 raise RuntimeError(f"the train function of fit(step=...) ran backward on the last micro-batch of "
-                                   f"{name}'s accumulation window but did not call step() on it: call "
-                                   f"engine.step() after engine.backward(loss) on every engine it trains")
+                                   f"{self.names[id(engine)]}'s accumulation window but did not call step() on it: "
+                                   f"call engine.step() after engine.backward(loss) on every engine it trains")
+            if place.last and not window.at_start:
+                window.close()
 
     def forward_only(self, batch: Any, with_loss: bool = True, keep: Optional[int] = None) -> None:
         """Evaluation's step: the user's ``evaluate`` function (which sees every row, a distributed sampler's

@@ -81,6 +81,7 @@ def test_the_programs_on_two_ranks_equal_their_hand_loops_and_resume_exactly(tmp
         _assert_gan_same(result["gan"], f"rank {rank}")
         _assert_gan_same(result["gan_d_accumulation"], f"rank {rank}, discriminator accumulating 2")
         _assert_resumed(result["resume"], f"rank {rank}")
+        _assert_resumed(result["resume_d_zero2"], f"rank {rank}, the discriminator under ZeRO stage 2")
         _assert_lm_same(result["lm"], f"rank {rank}", list(zip(*(r["lm"]["hand_evals"] for r in results))),
                        world=2)
     assert results[0]["gan"]["lib_losses"] != results[1]["gan"]["lib_losses"], "both ranks trained on the same data"
@@ -141,6 +142,25 @@ def test_a_user_step_adds_no_host_device_sync_per_step():
         return {method: len(where) for method, where in calls.items()}
 
     assert syncs(4) == syncs(12)
+
+
+def test_a_forward_after_an_engines_step_leaves_its_window_closed():
+    """DCGAN's discriminator judges the generator's output after its own step: that forward opens a micro-batch of
+    its window that no backward of it belongs to; the step leaves the window at its start, as the Trainer's own
+    step does (a sharded checkpoint refuses an open window; an unsharded one would carry its gradients)."""
+    net_g, net_d, opt_g, opt_d = programs.build_gan()
+    engine_g, *_ = colossal_lite.initialize(net_g, opt_g, nn.BCELoss(), verbose=False)
+    engine_d, *_ = colossal_lite.initialize(net_d, opt_d, nn.BCELoss(), verbose=False)
+    seen = []
+
+    class Windows(BaseHook):
+        def after_train_iter(self, trainer, *args):
+            seen.append((engine_d.window.at_start, engine_g.window.at_start))
+
+    step = UserStep(programs.gan_step(engine_g, engine_d, 1), engines={"generator": engine_g})
+    Trainer(engine_d).fit(programs.data(0), epochs=1, step=step, hooks=[Windows()], log_dir=False)
+    assert seen == [(True, True)] * programs.BATCHES
+    assert "window_grads" not in engine_d.state_dict()
 
 
 def test_every_engine_of_the_step_is_in_eval_mode_inside_the_evaluate_function():
@@ -220,7 +240,7 @@ def test_engines_of_different_accumulation_need_a_loader_with_a_length():
 # -- initialize(config=...): one engine's features -----------------------------------------------------------------
 def test_each_engine_keeps_the_features_its_initialize_gave_it():
     a = _engine(2, grad_reduction="sum", clip_grad_norm=0.5)
-    b = _engine(1)
+    b = _engine(1, zero=None, fp16=None)  # None: without the launch config's setting
     assert (a.window.size, a.grad_reduction, a.clip_grad_norm) == (2, "sum", 0.5)
     assert (b.window.size, b.grad_reduction, b.clip_grad_norm) == (1, "mean", 0.0)
 
