@@ -18,7 +18,6 @@ from ._series import StepSeries, drain_series
 from .history import History
 from .hooks._base_hook import BaseHook
 from .hooks._metric_hook import LearningRateMetric
-from .hooks._utils import keyed_by_class
 from .progress import to_number
 from .trackers import RunInfo, Tracker
 
@@ -180,11 +179,3 @@ class Recorder(BaseHook):
                 for tracker in self.trackers:
                     tracker.log_metrics(metrics, step=step, epoch=epoch, time=at)
 
-    # -- checkpoint -------------------------------------------------------------------------------
-    def tracker_states(self) -> Dict[str, Dict[str, Any]]:
-        return {key: state for key, tracker in keyed_by_class(self.trackers) if (state := tracker.state_dict())}
-
-    def load_tracker_states(self, states: Dict[str, Dict[str, Any]]) -> None:
-        for key, tracker in keyed_by_class(self.trackers):
-            if key in states:
-                tracker.load_state_dict(states[key])

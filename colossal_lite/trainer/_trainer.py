@@ -21,9 +21,11 @@ from ..core.dist import all_reduce_min_, is_rank_0, log_rank_0
 from ..core.global_context import global_context as gpc
 from ..engine.batch import call_with, move_to_device
 from ..engine.step import make_train_step
-from ..logging import DistributedLogger, get_dist_logger
+from ..logging import get_dist_logger
 from ..utils.data import DataParallelSampler, batches_per_epoch, skip_batches
 from ..utils.timer import MultiTimer
+from ._checkpoint.epoch_sums import TrainMetricSums
+from ._checkpoint.registry import StateRegistry
 from ._epoch import SizedEpoch, UnsizedEpoch
 from ._padding import RealRows
 from ._predict import is_loader, predict_loader
@@ -39,7 +41,7 @@ from .state import State
 from .time import Interval, Time, TimeUnit
 from .trackers import MetricsFile, Tracker
 
-__all__ = ["Trainer", "TestModeResult"]
+__all__ = ["Trainer", "TestModeResult", "TestModeFailed"]
 
 _END = object()
 
@@ -109,6 +111,18 @@ class TestModeResult:
 
     def __bool__(self) -> bool:
         return self.ok
+
+
+class TestModeFailed(RuntimeError):
+    """``fit(..., test_mode=True)`` found a problem: the message is the verdict, ``result`` the whole
+    ``TestModeResult``. Raised on every rank (every rank reaches the same verdict), so a smoke-test script
+    exits with an error."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, result: TestModeResult):
+        super().__init__(result.message)
+        self.result = result
 
 
 def _loader_len(loader) -> Optional[int]:
@@ -286,15 +300,30 @@ class Trainer:
         self.hooks: List[BaseHook] = []
         self._h = _Handlers()
         self._step_from_epoch = False
-        self._pending_hook_states: Optional[Dict[str, Any]] = None
-        self._pending_metric_states: Optional[Dict[str, Any]] = None  # train metrics' sums of a resumed epoch
         self._step = None  # the training step of the running fit or evaluate (built with the hooks' handlers)
         self._checkpoints: Optional[CheckpointSession] = None  # checkpoints of the running fit
         self.history = History()  # every fit's recorded metric values (docs/metrics.md)
         self._recorder: Optional[Recorder] = None  # records the running fit's values into the history
-        self._pending_tracker_states: Optional[Dict[str, Any]] = None
-        self._objects: Dict[str, Any] = {}  # the user's stateful objects, by key (register_for_checkpointing)
-        self._pending_object_states: Dict[str, Any] = {}  # restored before their object was registered
+        self._metric_sums = TrainMetricSums(lambda: self.states["metrics"]["train"])
+        self.state_registry = self._registry()
+
+    def _registry(self) -> StateRegistry:
+        """The stateful parts a checkpoint holds: progress and history now, hooks and trackers when a run
+        attaches them, the user's objects when registered (``register_for_checkpointing``)."""
+        registry = StateRegistry()
+        for name, keyed in (("progress", False), ("hooks", True), ("history", False), ("trackers", True),
+                            ("objects", True)):
+            registry.section(name, keyed)
+        registry.section("hooks", keyed=True, rank=True)
+        registry.section("metrics", keyed=False, rank=True)
+        registry.add("progress", None, self.state, load=self._load_progress)
+        registry.add("history", None, self.history)
+        registry.add("metrics", None, self._metric_sums, rank=True)
+        return registry
+
+    def _load_progress(self, progress: Dict[str, Any]) -> None:
+        self.state.load_state_dict(progress)
+        self._step_from_epoch = False
 
     # -- legacy properties -----------------------------------------------------------------------
     @property
@@ -362,6 +391,7 @@ class Trainer:
         self._recorder = recorder
         self._h = _Handlers(self.hooks + ([recorder] if recorder is not None else []))
         self._step = make_train_step(self._engine, self.state, self._h, self)
+        self._register_parts(recorder)
         if self._verbose:
             for hook in self.hooks:
                 log_rank_0(self._logger, f"Using {type(hook).__name__} for {purpose}, priority = {hook.priority}")
@@ -370,12 +400,23 @@ class Trainer:
         self.fire(Event.AFTER_HOOK_IS_ATTACHED)
         if self.state.fitting:
             self._check_watched_metrics()
-        if self._pending_hook_states is not None:
-            self._load_hook_states(self._pending_hook_states)
-            self._pending_hook_states = None
-        if self._pending_tracker_states is not None and recorder is not None:
-            recorder.load_tracker_states(self._pending_tracker_states)
-            self._pending_tracker_states = None
+        self.state_registry.hand_on("hooks", drop_rest=True)  # states restored before these hooks were attached
+        if recorder is not None:
+            self.state_registry.hand_on("trackers", drop_rest=True)
+
+    def _register_parts(self, recorder: Optional[Recorder]) -> None:
+        """The run's hooks (and its trackers) in the registry, each keyed by its class and its order among
+        those of its class (``'EarlyStoppingHook.0'``): the key names its state in a checkpoint."""
+        registry = self.state_registry
+        registry.clear("hooks")
+        registry.clear("trackers")
+        for key, hook in keyed_by_class(self.hooks):
+            registry.add("hooks", key, hook)
+            registry.add("hooks", key, hook, hook.rank_state_dict, hook.load_rank_state_dict, rank=True)
+        if recorder is not None:
+            for key, tracker in keyed_by_class(recorder.trackers):
+                registry.add("trackers", key, tracker)
+            registry.before_save("trackers", recorder.flush)  # the values kept on the device join the history
 
     def _check_watched_metrics(self) -> None:
         """Every metric a hook names exists, now that all hooks have registered theirs (any priority order)."""
@@ -389,8 +430,9 @@ class Trainer:
     def _detach(self) -> None:
         self._step = None
         self._recorder = None
+        self.state_registry.clear("trackers")
         self._run_timer = self._timer if self._timer is not None else _NULL_TIMER
-        self._pending_metric_states = None
+        self._metric_sums.forget()
         st = self.state
         st.phase = None
         st.fitting = False
@@ -407,7 +449,8 @@ class Trainer:
 
         Evaluates on ``test_dataloader`` every ``test_interval`` (int epochs, ``'2ep'``, ``'500ba'``,
         ``'0.25dur'``) and once more at the end of training if the last step was not evaluated.
-        ``test_mode=True`` runs one optimizer step and one evaluation batch and returns a ``TestModeResult``.
+        ``test_mode=True`` runs one optimizer step and one evaluation batch, logs the verdict and keeps it in
+        ``trainer.test_mode_result``; a failed one raises ``TestModeFailed``.
         ``resume_from``: None, ``'auto'`` (``last`` when it exists, else a fresh start), ``'last'``, ``'best'``
         (in the ``SaveCheckpointHook``'s folder) or a checkpoint path: the run continues exactly from there.
         With a ``SaveCheckpointHook``, SIGTERM/SIGINT finish the current optimizer step, write a checkpoint
@@ -432,7 +475,8 @@ class Trainer:
             checkpoints = self._checkpoints = CheckpointSession(self, train_dataloader, saving=not test_mode)
             checkpoints.resume(resume_from)
             if test_mode:
-                return self._test_mode(run)
+                self._test_mode(run)
+                return self.history
             if checkpoints.nothing_to_do():  # e.g. a finished script run again with resume_from='auto'
                 return self.history
             checkpoints.watch_signals(self.preemption_signals)
@@ -524,7 +568,7 @@ class Trainer:
         total = None if st.iters_per_epoch is None else st.iters_per_epoch - skip  # (no len: count and rate only)
         progress = make_progress(run.display, f"[Epoch {epoch} / Train]", total, self.states, run=st)
         self.fire(Event.BEFORE_TRAIN_EPOCH)
-        self._continue_metrics(skip)
+        self._metric_sums.continue_epoch(skip)
         timer.start("Train-epoch")
         boundary = checkpoints.at_step_boundary if checkpoints is not None and checkpoints.active else None
         preempted = self._train_loop(run, data_iter, progress, boundary)
@@ -535,24 +579,6 @@ class Trainer:
         engine.check_loss_finite()  # (nonfinite_loss='raise': before the epoch's metrics are read and logged)
         self.fire(Event.AFTER_TRAIN_EPOCH)
         timer.reset("Train-epoch")
-
-    def _continue_metrics(self, skip: int) -> None:
-        """Resumed inside an epoch: the train metrics (just reset) continue the sums the checkpoint saved."""
-        pending, self._pending_metric_states = self._pending_metric_states, None
-        if not pending or not skip:
-            return
-        for name, metric in self.states["metrics"]["train"].items():
-            if name in pending and hasattr(metric, "load_partial_state"):
-                metric.load_partial_state(pending[name])
-
-    def metric_partial_states(self) -> Dict[str, Any]:
-        """This rank's ``partial_state()`` of each train metric that has one (for a checkpoint)."""
-        states = {}
-        for name, metric in self.states["metrics"]["train"].items():
-            state = metric.partial_state() if hasattr(metric, "partial_state") else None
-            if state is not None:
-                states[name] = state
-        return states
 
     def _train_loop(self, run: "_Run", data_iter: Iterator, progress, boundary=None, until_step: bool = False) -> bool:
         """The epoch's micro-batches from ``state.batch_idx`` on, one training step each, with the iteration's
@@ -738,7 +764,10 @@ class Trainer:
         result = _test_mode_result(finite, checkpoint_note, n_train, n_eval, run.test_loader is not None,
                                    float(train_loss.item()), None if eval_loss is None else float(eval_loss.item()),
                                    bool(updated))
-        self._report_test_mode(result)
+        self.test_mode_result = result
+        if not result.ok:
+            raise TestModeFailed(result)
+        log_rank_0(self._logger if self._logger is not None else get_dist_logger(), result.message)
         return result
 
     def _all_finite(self, losses: List[torch.Tensor]) -> bool:
@@ -748,19 +777,13 @@ class Trainer:
         flag = torch.stack(checks).all().to(torch.float32).reshape(1).to(self._engine.device)
         return bool(all_reduce_min_(flag).item() > 0)
 
-    def _report_test_mode(self, result: "TestModeResult") -> None:
-        logger = self._logger if self._logger is not None else get_dist_logger()
-        if result.ok:
-            log_rank_0(logger, result.message)
-        elif isinstance(logger, DistributedLogger):
-            logger.error(result.message, ranks=[0])
-        elif is_rank_0():
-            logger.error(result.message)
-
     # -- state ------------------------------------------------------------------------------------------
     #: The checkpoint (a folder or a merged file's ``Path``) the run was last restored from: set by the restore
     #: before ``on_load_checkpoint`` fires, so a hook can name it; None when nothing was restored.
     restored_from = None
+
+    #: What the last ``fit(..., test_mode=True)`` ran and found (a ``TestModeResult``); None before one ran.
+    test_mode_result: Optional[TestModeResult] = None
 
     @property
     def logger(self):
@@ -772,18 +795,6 @@ class Trainer:
         """The checkpoints of the running ``fit`` (resume, saves at safe points, preemption); None outside it."""
         return self._checkpoints
 
-    def keyed_hooks(self) -> List[Tuple[str, BaseHook]]:
-        """``(key, hook)`` for each attached hook; the key names its state in a checkpoint: class name and its
-        order among the hooks of that class (``'EarlyStoppingHook.0'``)."""
-        return keyed_by_class(self.hooks)
-
-    def hook_key(self, hook: BaseHook) -> str:
-        """The key of an attached ``hook`` (see ``keyed_hooks``)."""
-        for key, attached in self.keyed_hooks():
-            if attached is hook:
-                return key
-        raise ValueError(f"{hook!r} is not attached to this trainer")
-
     def register_for_checkpointing(self, obj: Any, key: Optional[str] = None) -> str:
         """Keep ``obj``'s state in every checkpoint of this trainer and give it back on resume: any object with
         ``state_dict()`` and ``load_state_dict(state)`` (a sampler of your own, a torch ``Generator`` wrapper, a
@@ -794,74 +805,27 @@ class Trainer:
             if not callable(getattr(obj, method, None)):
                 raise TypeError(f"register_for_checkpointing: {type(obj).__name__} has no {method}(); give an object "
                                 f"with state_dict() and load_state_dict(state)")
+        registered = self.state_registry.parts("objects")
         if key is None:
             kind = type(obj).__name__
-            key = f"{kind}.{sum(k.rsplit('.', 1)[0] == kind for k in self._objects)}"
-        if key in self._objects and self._objects[key] is not obj:
+            key = f"{kind}.{sum(k.rsplit('.', 1)[0] == kind for k in registered)}"
+        if key in registered and registered[key] is not obj:
             raise ValueError(f"register_for_checkpointing: the key {key!r} is taken by another object; give another")
-        self._objects[key] = obj
-        if key in self._pending_object_states:
-            obj.load_state_dict(self._pending_object_states.pop(key))
+        self.state_registry.add("objects", key, obj)
+        self.state_registry.hand_on("objects")
         return key
 
-    def object_states(self) -> Dict[str, Any]:
-        """The ``state_dict()`` of each registered object, by key."""
-        return {key: obj.state_dict() for key, obj in self._objects.items()}
-
     def state_dict(self) -> Dict[str, Any]:
-        """Progress, the ``state_dict()`` of each attached hook that has one (keys like ``'EarlyStoppingHook.0'``),
-        of each registered object, the history and the running fit's trackers' states. Inside ``fit``, call
-        ``flush_metrics()`` first on every rank for the per-step values not yet read (a checkpoint does)."""
-        hooks = {}
-        for key, hook in self.keyed_hooks():
-            state = hook.state_dict()
-            if state:
-                hooks[key] = state
-        return {"progress": self.state.state_dict(), "hooks": hooks, "history": self.history.state_dict(),
-                "trackers": self.tracker_states(), "objects": self.object_states()}
-
-    def tracker_states(self) -> Dict[str, Any]:
-        """The ``state_dict()`` of each tracker of the running fit that has one (keys like ``'MLflowTracker.0'``)."""
-        return self._recorder.tracker_states() if self._recorder is not None else {}
-
-    def flush_metrics(self) -> None:
-        """Inside ``fit``: read the per-step values kept on the device into the history and the trackers (a
-        collective: every rank calls it)."""
-        if self._recorder is not None:
-            self._recorder.flush()
+        """``{'progress', 'hooks', 'history', 'trackers', 'objects'}``: the state of each registered part
+        (``state_registry``): hooks by key (``'EarlyStoppingHook.0'``, those with a state), the running fit's
+        trackers, the objects given to ``register_for_checkpointing``. Inside ``fit`` the values recorded since
+        the last flush are not in the history yet; a checkpoint reads them first (on every rank)."""
+        return self.state_registry.state()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore progress and history now. The hooks' and trackers' states go to the attached ones at once
-        while ``fit`` runs (a checkpoint it restores), else to those the next ``fit`` attaches."""
-        self.state.load_state_dict(state.get("progress", {}))
-        self._step_from_epoch = False
-        if state.get("history") is not None:
-            self.history.load_state_dict(state["history"])
-        hooks, trackers = dict(state.get("hooks", {})), dict(state.get("trackers") or {})
-        self._pending_hook_states = self._pending_tracker_states = None
-        if self.state.fitting:
-            self._load_hook_states(hooks)
-        elif hooks:
-            self._pending_hook_states = hooks
-        if self._recorder is not None:
-            self._recorder.load_tracker_states(trackers)
-        elif trackers:
-            self._pending_tracker_states = trackers
-        for key, object_state in (state.get("objects") or {}).items():
-            if key in self._objects:
-                self._objects[key].load_state_dict(object_state)
-            else:
-                self._pending_object_states[key] = object_state
-
-    def _load_hook_states(self, states: Dict[str, Any]) -> None:
-        for key, hook in self.keyed_hooks():
-            if key in states:
-                hook.load_state_dict(states[key])
-
-    def continue_metrics_from(self, states: Optional[Dict[str, Any]]) -> None:
-        """This rank's train metric sums from a checkpoint (``metric_partial_states()`` of the run that wrote it):
-        the epoch the run resumes inside continues them, so its epoch values are the uninterrupted run's."""
-        self._pending_metric_states = dict(states) if states else None
+        """Restore progress and history now; each hook's, tracker's and object's state goes to the part
+        registered under its key now, or waits for it (the hooks the next ``fit`` attaches)."""
+        self.state_registry.load(state)
 
 
 class _Run:

@@ -5,7 +5,9 @@ A trainer checkpoint is one ``CheckpointManager`` folder (``docs/checkpoints.md`
     shared_state = {"engine": engine.state_dict(),
                     "lr_schedulers": {key: hook.state_dict()},     # hooks with checkpoint_entry 'lr_schedulers'
                     "trainer": {"progress": state.state_dict(),
-                                "hooks": {key: hook.state_dict()}}, # every other hook with state
+                                "hooks": {key: hook.state_dict()},  # every other hook with state
+                                "history": ..., "trackers": {key: tracker.state_dict()},
+                                "objects": {key: obj.state_dict()}},  # register_for_checkpointing
                     "hooks": {...},                                 # what hooks add in on_save_checkpoint
                     "colossal_lite": {"version", "world_size", "format"}}
     rank_state   = {"rng": capture_rng_state(), "data": train_loader.state_dict(),
@@ -14,16 +16,17 @@ A trainer checkpoint is one ``CheckpointManager`` folder (``docs/checkpoints.md`
                     "hooks": {...}}                                 # this rank's on_save_checkpoint entries
 
 The state protocol: every part that has state gives it as a ``state_dict()`` and takes it back with
-``load_state_dict()``; the checkpoint code knows no concrete hook. A hook's state is saved under its key
-(class name and order among hooks of its class, ``Trainer.keyed_hooks``) in the entry its
+``load_state_dict()``, and is registered once in the trainer's ``state_registry`` (``_checkpoint.registry``),
+which this code walks; it knows no concrete hook. The trainer registers its progress, history and train metric
+sums, each hook of a run (under its key: class name and order among hooks of its class), each tracker of a
+run, and the user's objects (``register_for_checkpointing``). A hook's state goes to the entry its
 ``checkpoint_entry`` names; an ``LRSchedulerHook``'s state is its scheduler's, kept in ``lr_schedulers``
 (where checkpoints have always kept schedulers, so older checkpoints resume unchanged). State that differs
-between ranks has its own pair of methods and is restored only with the number of ranks that wrote it:
-``rank_state_dict()`` / ``load_rank_state_dict()`` for hooks, ``Trainer.metric_partial_states()`` /
-``Trainer.continue_metrics_from()`` for the train metrics' sums of a resumed epoch (each metric's
-``partial_state`` / ``load_partial_state``), the loader's ``state_dict`` for the data position, and
-``capture_rng_state`` / ``restore_rng_state``. ``on_save_checkpoint`` / ``on_load_checkpoint`` remain for
-entries a hook lays out itself.
+between ranks is registered per rank and restored only with the number of ranks that wrote it:
+``rank_state_dict()`` / ``load_rank_state_dict()`` for hooks, ``TrainMetricSums`` for the train metrics' sums
+of a resumed epoch (each metric's ``partial_state`` / ``load_partial_state``); the loader's ``state_dict`` for
+the data position and ``capture_rng_state`` / ``restore_rng_state`` are the run's position, read here.
+``on_save_checkpoint`` / ``on_load_checkpoint`` remain for entries a hook lays out itself.
 
 ``fit`` saves only at *safe points*: after an optimizer step and the evaluation that may follow it,
 or after an epoch's end events, its evaluation and the move to the next epoch. Nothing else happens

@@ -91,9 +91,9 @@ def main() -> int:
     result = trainer.fit(train_dataloader=train_loader, epochs=cfg.NUM_EPOCHS, test_dataloader=test_loader,
                          test_interval=5, hooks=hooks, display_progress=True, test_mode=args.test_mode,
                          log_dir=args.log_dir)
-    if args.test_mode:
+    if args.test_mode:  # the verdict is logged; a failed one raised TestModeFailed
         gpc.destroy()
-        return 0 if result.ok else 1
+        return 0
 
     accuracy = result.last("test/Accuracy")  # the last evaluation's, over all ranks (the same on every rank)
     if rank == 0:

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import colossal_lite
 from colossal_lite.checkpoint import CheckpointManager, CheckpointNotFoundError, read_checkpoint
 from colossal_lite.core import global_context as gpc
-from colossal_lite.trainer import Trainer
+from colossal_lite.trainer import TestModeFailed, Trainer
 from colossal_lite.trainer.hooks import (
     BaseHook,
     EarlyStoppingHook,
@@ -253,9 +253,10 @@ def _test_mode_folders():
 def test_test_mode_runs_a_checkpoint_round_trip_and_leaves_nothing_behind(tmp_path):
     before = _test_mode_folders()
     _, engine, loader, sched = build()
-    result = Trainer(engine).fit(loader, epochs=1, test_mode=True,
-                                 hooks=[LossHook(), LRSchedulerHook(sched, by_epoch=False), Extra(),
-                                        SaveCheckpointHook(1, tmp_path / "ck")])
+    trainer = Trainer(engine)
+    trainer.fit(loader, epochs=1, test_mode=True, hooks=[LossHook(), LRSchedulerHook(sched, by_epoch=False), Extra(),
+                                                          SaveCheckpointHook(1, tmp_path / "ck")])
+    result = trainer.test_mode_result
     assert result.ok and result.checkpoint.startswith("checkpoint round trip OK (")
     assert ", checkpoint round trip OK (" in str(result) and str(result).endswith("loss finite: OK")
     assert not (tmp_path / "ck").exists()  # test mode writes nothing into the run's folder
@@ -270,7 +271,9 @@ class Unstorable(BaseHook):
 def test_test_mode_reports_a_failed_round_trip():
     before = _test_mode_folders()
     _, engine, loader, _ = build()
-    result = Trainer(engine).fit(loader, epochs=1, test_mode=True, hooks=[LossHook(), Unstorable()])
+    with pytest.raises(TestModeFailed) as failed:
+        Trainer(engine).fit(loader, epochs=1, test_mode=True, hooks=[LossHook(), Unstorable()])
+    result = failed.value.result
     assert not result.ok
     assert "checkpoint round trip FAILED (UnsupportedValueError: cannot store shared_state['hooks']['bad'] in a " \
            "checkpoint: a builtins.object is not a tensor or a plain Python value" in str(result)

@@ -240,8 +240,10 @@ TWO_RANKS = COMMON + textwrap.dedent("""
         final = train(os.path.join(out, "ck"), at=11 if attempt == 0 else None, resume="auto")
     except TrainingPreempted as e:
         open(os.path.join(out, f"preempted.rank{rank}"), "w").write(f"{e.code} {e.checkpoint}")
-        raise
-    if rank == 0:
+        if rank == 1:
+            raise
+        final = None  # rank 0 catches it and goes on: with several ranks the process still ends with 75
+    if rank == 0 and final is not None:
         json.dump(final, open(os.path.join(out, "final.json"), "w"))
     gpc.destroy()
 """)
@@ -257,6 +259,7 @@ def test_two_ranks_stop_together_when_one_is_signalled_and_torchrun_restarts_the
     assert proc.returncode == 0, log
     assert "exitcode: 75" in log  # the first attempt's workers left with the preemption status
     assert (tmp_path / "preempted.rank1").read_text() == f"75 {tmp_path / 'ck' / 'epoch1-step11'}"
+    assert (tmp_path / "preempted.rank0").read_text() == f"75 {tmp_path / 'ck' / 'epoch1-step11'}"
     assert "SIGTERM: stopped at epoch 1, step 11 (batch 6 of the epoch)" in log  # rank 0 stopped at the same step
     folder = tmp_path / "ck" / "epoch1-step11"
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "rank0.pt", "rank1.pt", "shared.pt"]
@@ -300,3 +303,23 @@ def test_resuming_a_two_rank_checkpoint_on_one_rank_warns_that_the_epochs_train_
         assert trainer.cur_step == 32  # one rank: the whole epoch's 32 batches
     finally:
         gpc.destroy()
+
+
+def test_the_hard_exit_after_a_preemption_keeps_status_75_when_the_script_goes_on(tmp_path):
+    """With several ranks ``raise_if_preempted`` arms the exit at the raise: a script that catches the preemption,
+    cleans up and ends normally still leaves with 75, after its own exit handlers and flushed output."""
+    script = tmp_path / "goes_on.py"
+    script.write_text(textwrap.dedent("""
+        import atexit
+        from colossal_lite.trainer._checkpoint.preemption import exit_hard_at_interpreter_exit
+        atexit.register(lambda: print("cleanup ran", flush=True))
+        try:
+            exit_hard_at_interpreter_exit(75)
+            raise SystemExit(75)
+        except SystemExit:
+            print("caught; going on", end="")
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=_env(),
+                          cwd=REPO)
+    assert proc.returncode == 75, proc.stderr
+    assert proc.stdout == "caught; going oncleanup ran\n"

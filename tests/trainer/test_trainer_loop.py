@@ -9,7 +9,7 @@ from torch import nn
 from colossal_lite.amp.precision import BF16Precision
 from colossal_lite.engine.accumulation import AccumulationDataLoader, AccumulationWindow
 from colossal_lite.engine.engine import Engine
-from colossal_lite.trainer import Event, State, Trainer
+from colossal_lite.trainer import Event, State, TestModeFailed, Trainer
 from colossal_lite.trainer.hooks import BaseHook, LossHook
 
 
@@ -488,8 +488,10 @@ def test_test_mode_runs_one_step_and_one_eval_batch_then_gives_a_verdict():
     engine, window = make_engine(model, accumulation=2)
     trainer = Trainer(engine, logger=ListLogger())
     before = [p.detach().clone() for p in model.parameters()]
-    result = trainer.fit(AccumulationDataLoader(make_batches(6), window), epochs=10, test_dataloader=make_batches(4),
-                         hooks=[rec, LossHook()], test_mode=True)
+    history = trainer.fit(AccumulationDataLoader(make_batches(6), window), epochs=10, test_dataloader=make_batches(4),
+                          hooks=[rec, LossHook()], test_mode=True)
+    result = trainer.test_mode_result
+    assert history is trainer.history  # fit returns the history in test mode too; the verdict is kept apart
     assert result.ok and bool(result)
     assert str(result).startswith("test mode: 2 train batches and 1 eval batch ran (train loss ")
     assert re.search(r"optimizer step applied, checkpoint round trip OK \([^)]*\)\), loss finite: OK$", str(result)), str(result)
@@ -515,11 +517,14 @@ def test_test_mode_reports_a_non_finite_loss():
         def error(self, msg):
             logs.append("ERROR " + msg)
 
-    result = Trainer(engine, logger=ListLogger()).fit(make_batches(3), epochs=1, hooks=[NaNLoss()], test_mode=True)
-    assert not result.ok
+    trainer = Trainer(engine, logger=ListLogger())
+    with pytest.raises(TestModeFailed) as failed:
+        trainer.fit(make_batches(3), epochs=1, hooks=[NaNLoss()], test_mode=True)
+    result = failed.value.result
+    assert str(failed.value) == result.message and trainer.test_mode_result is result and not result.ok
     assert "1 train batch ran" in result.message and "no test_dataloader given" in result.message
     assert result.message.endswith("loss finite: FAILED (a loss or a parameter is NaN or inf)")
-    assert logs[-1] == "ERROR " + result.message
+    assert not [line for line in logs if "test mode" in line]  # the verdict is the error's message, not logged too
 
 
 def test_a_loader_that_yields_fewer_batches_than_its_len_gets_a_clear_error():

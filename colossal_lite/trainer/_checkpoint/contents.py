@@ -90,18 +90,13 @@ def saved_hook_states(shared: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
             "lr_schedulers": dict(shared.get("lr_schedulers") or {})}
 
 
-def _hook_states(trainer) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Any]]:
-    """Each attached hook's ``state_dict()`` by entry and key, and its ``rank_state_dict()`` by key (non-empty only)."""
+def _shared_hook_states(trainer, hooks: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """The hooks' states (``{key: state}``) by the checkpoint entry each hook names."""
     shared: Dict[str, Dict[str, Any]] = {entry: {} for entry in HOOK_ENTRIES}
-    rank: Dict[str, Any] = {}
-    for key, hook in trainer.keyed_hooks():
-        state = hook.state_dict()
-        if state:
-            shared[hook_entry(hook)][key] = state
-        own = hook.rank_state_dict()
-        if own:
-            rank[key] = own
-    return shared, rank
+    for key, hook in trainer.state_registry.parts("hooks").items():
+        if key in hooks:
+            shared[hook_entry(hook)][key] = hooks[key]
+    return shared
 
 
 def trainer_checkpoint_state(trainer, train_loader=None) -> Tuple[Dict[str, Any], Dict[str, Any], Optional[dict]]:
@@ -109,19 +104,17 @@ def trainer_checkpoint_state(trainer, train_loader=None) -> Tuple[Dict[str, Any]
 
     Every rank calls it (the engine's state dict may gather shards).
     """
-    trainer.flush_metrics()  # the per-step values kept on the device join the history the checkpoint holds
-    hooks, hooks_of_rank = _hook_states(trainer)
+    parts = trainer.state_registry.state()  # (the per-step values kept on the device join the history first)
+    of_rank = trainer.state_registry.state(rank=True)
+    hooks = _shared_hook_states(trainer, parts.pop("hooks"))
     rank_state: Dict[str, Any] = {"rng": capture_rng_state(), "data": _loader_state(train_loader),
-                                  "metrics": trainer.metric_partial_states(), "trainer": {"hooks": hooks_of_rank},
-                                  "hooks": {}}
+                                  "metrics": of_rank["metrics"], "trainer": {"hooks": of_rank["hooks"]}, "hooks": {}}
     engine = trainer.engine
     sharded = engine.sharded_state_dict() if engine.shards_state else None
     shared: Dict[str, Any] = {
         "engine": engine.state_dict_without_shards() if sharded is not None else engine.state_dict(),
         "lr_schedulers": hooks["lr_schedulers"],
-        "trainer": {"progress": trainer.state.state_dict(), "hooks": hooks["trainer"],
-                    "history": trainer.history.state_dict(), "trackers": trainer.tracker_states(),
-                    "objects": trainer.object_states()},
+        "trainer": dict(parts, hooks=hooks["trainer"]),
         "hooks": {},
         "colossal_lite": {"version": __version__, "world_size": world_size(), "format": TRAINER_FORMAT},
     }

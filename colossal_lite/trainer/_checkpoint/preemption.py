@@ -25,24 +25,12 @@ class TrainingPreempted(SystemExit):
     """Raised by ``fit`` after SIGTERM/SIGINT once the checkpoint is written; exits the process with status 75.
 
     ``signal``: the signal number; ``checkpoint``: the folder written (or the one already there at that step).
-    With several ranks, once the exit status has been read (by the interpreter, as the exception ends the
-    script) the process ends with ``os._exit(75)`` after a flush and the exit handlers registered after this
-    module was imported: a process leaving with its gloo threads alive can otherwise abort in C++ teardown
-    (status 134) and hide the 75.
     """
 
-    def __init__(self, signum: int, checkpoint: Optional[Path], hard_exit: bool = False):
+    def __init__(self, signum: int, checkpoint: Optional[Path]):
         super().__init__(PREEMPTED_EXIT_CODE)
         self.signal = signum
         self.checkpoint = checkpoint
-        self._hard_exit = hard_exit
-
-    @property
-    def code(self) -> int:
-        global _HARD_EXIT
-        if self._hard_exit:
-            _HARD_EXIT = PREEMPTED_EXIT_CODE
-        return PREEMPTED_EXIT_CODE
 
     def __str__(self) -> str:
         return (f"training preempted by {signal_name(self.signal)}; checkpoint {self.checkpoint}; "
@@ -50,6 +38,15 @@ class TrainingPreempted(SystemExit):
 
 
 _HARD_EXIT: Optional[int] = None
+
+
+def exit_hard_at_interpreter_exit(code: int = PREEMPTED_EXIT_CODE) -> None:
+    """End the process with ``code`` once the interpreter exits, with ``os._exit`` after a flush and the exit
+    handlers registered after this module was imported, whatever the script does after catching the
+    preemption. With several ranks a process leaving with its gloo threads alive can otherwise abort in C++
+    teardown (status 134) and hide the preemption's status from the launcher that must restart the job."""
+    global _HARD_EXIT
+    _HARD_EXIT = code
 
 
 def _exit_now_if_preempted() -> None:

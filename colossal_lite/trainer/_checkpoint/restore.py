@@ -86,7 +86,7 @@ def _hook_states_to_load(trainer, path: Path, shared: Dict[str, Any]) -> Dict[st
     own kind (a scheduler's) and finds nothing there starts from its current state, with a warning."""
     saved = saved_hook_states(shared)
     states: Dict[str, Any] = {}
-    for key, hook in trainer.keyed_hooks():
+    for key, hook in trainer.state_registry.parts("hooks").items():
         entry = hook_entry(hook)
         if key in saved[entry]:
             states[key] = saved[entry][key]
@@ -102,10 +102,7 @@ def _same_world(shared: Dict[str, Any]) -> bool:
 
 
 def _load_rank_hook_states(trainer, rank_state: Dict[str, Any]) -> None:
-    saved = (rank_state.get("trainer") or {}).get("hooks") or {}
-    for key, hook in trainer.keyed_hooks():
-        if key in saved:
-            hook.load_rank_state_dict(saved[key])
+    trainer.state_registry.load({"hooks": (rank_state.get("trainer") or {}).get("hooks") or {}}, rank=True)
 
 
 def _restore_rank_state(trainer, path: Path, shared: Dict[str, Any], rank_state: Dict[str, Any], train_loader,
@@ -116,7 +113,7 @@ def _restore_rank_state(trainer, path: Path, shared: Dict[str, Any], rank_state:
     if data is not None and callable(load) and same_world:
         load(data)  # the sampler starts after the samples already seen; nothing is loaded to skip them
     if same_world:  # this rank's sums of the epoch so far (used when it resumes inside one)
-        trainer.continue_metrics_from(rank_state.get("metrics"))
+        trainer.state_registry.load({"metrics": rank_state.get("metrics") or {}}, rank=True)
     elif rank_state.get("metrics") and trainer.state.batch_idx:
         saved_world = (shared.get("colossal_lite") or {}).get("world_size")
         warnings.warn(f"checkpoint {path} was written by {saved_world} ranks and this run has {world_size()}: the "

@@ -14,7 +14,7 @@ import torch
 from ...checkpoint import CheckpointManager
 from ...core.dist import all_reduce_max_, collective_device, log_rank_0, world_size
 from ...launch import preemption_exit_note, under_torchrun
-from .preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, signal_name
+from .preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, exit_hard_at_interpreter_exit, signal_name
 from .restore import load_trainer_checkpoint
 
 __all__ = ["CheckpointSession"]
@@ -199,4 +199,6 @@ class CheckpointSession:
 
     def raise_if_preempted(self) -> None:
         if self.preempted is not None:
-            raise TrainingPreempted(self.preempted, self.checkpoint, hard_exit=self.world > 1)
+            if self.world > 1:
+                exit_hard_at_interpreter_exit(PREEMPTED_EXIT_CODE)
+            raise TrainingPreempted(self.preempted, self.checkpoint)

@@ -637,7 +637,7 @@ class LRSchedulerHook(MetricHook):
     def on_load_checkpoint(self, trainer, checkpoint):
         st = trainer.state
         if st.fitting and st.total_steps and trainer.restored_from is not None and is_rank_0():
-            warn_if_schedule_ends_early(trainer.hook_key(self), self.lr_scheduler, self.by_epoch, st,
+            warn_if_schedule_ends_early(trainer.state_registry.key_of(self, "hooks"), self.lr_scheduler, self.by_epoch, st,
                                         trainer.restored_from)
 
     def _current_lr(self) -> float:
