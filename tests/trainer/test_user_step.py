@@ -5,8 +5,7 @@ pytorch/examples' DCGAN (two engines, two optimizers, two backward calls before 
 word_language_model (hidden state carried from batch to batch, clipping) run under ``fit`` with a step of the
 user's own; the discriminator alone accumulates gradients (``initialize(..., config=...)``); a two-engine run
 stopped inside the discriminator's window resumes exactly. Each on one process here and on two ranks in one
-launch (``user_step_programs.py``). The programs are in the slow tier (whole programs, each trained twice); the
-fast tier keeps a bit-exact one-engine comparison and the checks of bad input.
+launch (``user_step_programs.py``).
 """
 import json
 import math
@@ -49,12 +48,10 @@ def _assert_lm_same(result, where, hand_evals, world=1):
     assert result["lib_test_loss"] == pytest.approx(expected, rel=1e-6), f"{where}: the validation losses differ"
 
 
-@pytest.mark.slow  # (a whole program, trained twice)
 def test_dcgan_under_fit_with_a_user_step_equals_the_hand_loop():
     _assert_gan_same(programs.compare(rank=0, world=1, d_accumulation=1), "1 process")
 
 
-@pytest.mark.slow  # (a whole program, trained twice)
 def test_the_discriminator_alone_accumulates_and_equals_the_careful_hand_loop():
     result = programs.compare(rank=0, world=1, d_accumulation=2)
     _assert_gan_same(result, "1 process, discriminator accumulating 2")
@@ -62,12 +59,10 @@ def test_the_discriminator_alone_accumulates_and_equals_the_careful_hand_loop():
     assert result["lib_losses"] != plain["lib_losses"], "accumulation for the discriminator changed nothing"
 
 
-@pytest.mark.slow  # (a whole program, trained twice)
 def test_a_two_engine_run_resumes_exactly_from_inside_the_discriminators_window(tmp_path):
     _assert_resumed(programs.resume(rank=0, d_accumulation=2, checkpoint_dir=tmp_path / "ck"), "1 process")
 
 
-@pytest.mark.slow  # (a whole program, trained twice)
 def test_word_language_model_under_fit_equals_the_hand_loop():
     result = lm.differences(rank=0, world=1)
     _assert_lm_same(result, "1 process", [[e] for e in result["hand_evals"]])
