@@ -13,7 +13,7 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -30,6 +30,7 @@ from ._epoch import SizedEpoch, UnsizedEpoch
 from ._padding import RealRows
 from ._predict import is_loader, predict_loader
 from ._recorder import Recorder, flat_params
+from ._user_step import UserStep, bind_user_step
 from .checkpointing import CheckpointSession, checkpoint_round_trip
 from .events import Event
 from .history import History
@@ -442,7 +443,8 @@ class Trainer:
             test_dataloader: Optional[Iterable] = None, test_interval: Union[int, str, Time] = 1,
             hooks: Optional[List[BaseHook]] = None, display_progress: bool = False, return_output_label: bool = True,
             max_duration: Union[int, str, Time, None] = None, test_mode: bool = False, resume_from=None,
-            log_dir: Union[str, "os.PathLike[str]", None, bool] = None, trackers: Optional[List[Tracker]] = None):
+            log_dir: Union[str, "os.PathLike[str]", None, bool] = None, trackers: Optional[List[Tracker]] = None,
+            step: Union[UserStep, Callable, None] = None):
         """Train for ``epochs`` epochs in total (or ``max_steps`` optimizer steps, or ``max_duration``).
 
         Evaluates on ``test_dataloader`` every ``test_interval`` (int epochs, ``'2ep'``, ``'500ba'``,
@@ -458,6 +460,8 @@ class Trainer:
         (``docs/metrics.md``). ``log_dir``: the run's folder (None: the ``SaveCheckpointHook``'s folder; False:
         none), where a ``metrics.jsonl`` is written unless ``trackers`` has a ``MetricsFile``; ``trackers``: where
         else the values go (``TensorBoardTracker``, ``MLflowTracker``, your own ``Tracker``), on rank 0.
+        ``step``: a training step of your own, ``fn(trainer, batch)`` or ``UserStep(fn, engines=..., evaluate=...)``,
+        for programs with several engines or state carried between batches (docs/trainer.md, "Your own step").
         """
         run = self._begin_fit(train_dataloader, test_dataloader, epochs, max_steps, max_duration, test_interval,
                               display_progress, return_output_label)
@@ -466,6 +470,8 @@ class Trainer:
         checkpoints = None
         try:
             self._attach(hooks, "training", recorder)
+            if step is not None:
+                self._step = bind_user_step(step, self, self._h, self._step)
             checkpoints = self._checkpoints = CheckpointSession(self, train_dataloader, saving=not test_mode)
             checkpoints.resume(resume_from)
             if test_mode:
