@@ -101,7 +101,7 @@ class TestModeResult:
     message: str
     train_batches: int
     eval_batches: int
-    train_loss: float
+    train_loss: Optional[float]  # None: a step of the user's own returned no loss
     eval_loss: Optional[float]
     optimizer_updated: bool
     checkpoint: Optional[str] = None  # what the checkpoint round trip found (None: not run)
@@ -185,14 +185,15 @@ def _checked_hooks(hooks) -> List[BaseHook]:
 
 
 def _test_mode_result(finite: bool, checkpoint_note: Optional[str], n_train: int, n_eval: int, has_test: bool,
-                      train_loss: float, eval_loss: Optional[float], updated: bool) -> "TestModeResult":
+                      train_loss: Optional[float], eval_loss: Optional[float], updated: bool) -> "TestModeResult":
     """The verdict of test mode, with its one-line message."""
     checkpoint_ok = checkpoint_note is None or "FAILED" not in checkpoint_note
     parts = [f"{n_train} train batch" + ("es" if n_train != 1 else "")]
     if has_test:
         parts.append(f"{n_eval} eval batch" + ("es" if n_eval != 1 else ""))
     ran = " and ".join(parts) + " ran"
-    losses = f"train loss {train_loss:.4g}" + ("" if eval_loss is None else f", eval loss {eval_loss:.4g}")
+    losses = ("train loss not given (the step returned none)" if train_loss is None else f"train loss {train_loss:.4g}")
+    losses += "" if eval_loss is None else f", eval loss {eval_loss:.4g}"
     step = "optimizer step applied" if updated else "optimizer step skipped (fp16 overflow)"
     if not has_test:
         step += ", no test_dataloader given"
@@ -749,7 +750,8 @@ class Trainer:
         engine.window.continue_at(st.batch_idx)
         self._train_loop(run, iter(run.train_loader), NO_PROGRESS, until_step=True)
         n_train = st.iteration - saved_progress["iteration"]
-        train_loss, updated = st.loss.detach().float(), st.updated
+        train_loss = None if st.loss is None else st.loss.detach().float()  # (a step of the user's may give none)
+        updated = st.updated
         self.fire(Event.AFTER_TRAIN_EPOCH)
         eval_loss, n_eval = None, 0
         if run.test_loader is not None:
@@ -758,11 +760,12 @@ class Trainer:
                 eval_loss = st.loss.detach().float()
         checkpoint_note = checkpoint_round_trip(self, run.train_loader)
         self.fire(Event.AFTER_TRAIN)
-        finite = self._all_finite([train_loss] + ([eval_loss] if eval_loss is not None else []))
+        losses = [loss for loss in (train_loss, eval_loss) if loss is not None]
+        finite = self._all_finite(losses)
         st.load_state_dict(saved_progress)
+        train_loss, eval_loss = (None if loss is None else float(loss.item()) for loss in (train_loss, eval_loss))
         result = _test_mode_result(finite, checkpoint_note, n_train, n_eval, run.test_loader is not None,
-                                   float(train_loss.item()), None if eval_loss is None else float(eval_loss.item()),
-                                   bool(updated))
+                                   train_loss, eval_loss, bool(updated))
         self.test_mode_result = result
         if not result.ok:
             raise TestModeFailed(result)

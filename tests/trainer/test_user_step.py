@@ -253,3 +253,14 @@ def test_a_bad_engine_config_is_refused_with_the_fix(config, error, message):
     model, optimizer = _classifier()
     with pytest.raises(error, match=message):
         colossal_lite.initialize(model, optimizer, nn.CrossEntropyLoss(), verbose=False, config=config)
+
+
+def test_test_mode_with_a_step_that_returns_no_loss_gives_its_verdict():
+    def silent_step(trainer, batch):
+        _plain_step(trainer, batch)  # the step runs; the loss is not handed back
+
+    trainer = Trainer(_engine())
+    history = trainer.fit(_batches(), epochs=1, step=silent_step, test_mode=True, log_dir=False)
+    result = trainer.test_mode_result
+    assert history is trainer.history and result.ok and result.train_loss is None
+    assert "(train loss not given (the step returned none); optimizer step applied" in result.message
