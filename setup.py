@@ -27,8 +27,10 @@ setup(
         # mlflow-skinny is the MLflow client the tests need (the full ``mlflow`` package depends on it);
         # sqlalchemy and alembic let it open MLflow's default store, a SQLite file
         # pytest-xdist runs the suite on two workers (the README's test command), one test file per worker
+        # transformers: the Hugging Face tests, docs/huggingface.md and examples/hf_text
         "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist", "numpy", "scikit-learn", "ruff", "tensorboard",
-                "torchmetrics", "matplotlib", "mlflow-skinny>=2.12", "sqlalchemy", "alembic"],
+                "torchmetrics", "matplotlib", "mlflow-skinny>=2.12", "sqlalchemy", "alembic", "transformers"],
+        "hf": ["transformers"],  # Hugging Face models and ckpt export --hf (safetensors comes with it)
         "examples": ["scikit-learn"],
         "tensorboard": ["tensorboard"],
         "mlflow": ["mlflow>=2.12"],

@@ -24,6 +24,8 @@ Sections (the dry run does each on the CPU at tiny sizes, and marks what needs C
                        against the hand loop on the device
   two_ranks            torchrun, 2 ranks on the one GPU: NCCL where it allows, else gloo on CUDA tensors; DDP,
                        gradient handler and ZeRO-1 against the hand loop
+  speed_report         SpeedReportHook on the device (CUDA events): a bf16 MLP's MFU against the peak table, and a
+                       loader that sleeps named first; the reports' text, MFU and the syncs the hook found
   speed_*              ResNet-18 (224x224, bf16, channels-last) and a GPT-2-small-sized transformer (bf16): hand
                        loop, engine loop, Trainer (and Lightning Fabric when installed) interleaved on one model,
                        samples/s, paired ratios to the hand loop, peak memory; ``*_compile``: the same with compile
@@ -628,6 +630,61 @@ def section_two_ranks(ctx: Ctx) -> dict:
 
 
 # -- the command -------------------------------------------------------------------------------------------------------
+# -- speed report ------------------------------------------------------------------------------------------------
+def _speed_report_case(ctx: Ctx, width: int, batch: int, steps: int, delay: float) -> dict:
+    """One fit with ``SpeedReportHook`` on the device: an MLP ``width`` wide (bf16 on a GPU), ``delay`` seconds of
+    sleep per batch in the loader; -> the report's figures and text."""
+    import colossal_lite
+    from colossal_lite.trainer import Trainer
+    from colossal_lite.trainer.hooks import LossHook, SpeedReportHook
+    from colossal_lite.trainer.speed_report import rank_causes
+
+    launch_here(dict(fp16=dict(mode="bf16")) if ctx.cuda else {})
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width), nn.GELU())], nn.Linear(width, 10))
+    data = [(torch.randn(batch, width), torch.randint(0, 10, (batch,))) for _ in range(steps)]
+
+    def loader():
+        for item in data:
+            time.sleep(delay)
+            yield item
+    engine, _, _, _ = colossal_lite.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                               nn.CrossEntropyLoss(), verbose=False)
+    hook = SpeedReportHook(report=False, peak_tflops=None if ctx.cuda else 1.0)
+    Trainer(engine).fit(_Replay(loader, steps), epochs=1, hooks=[hook, LossHook()], log_dir=False)
+    f = hook.figures
+    timed = [cause.key for cause in rank_causes(f) if cause.key != "host syncs"]
+    return dict(first=timed[0], mfu=f.mfu, samples_per_s=f.samples_per_s, peak=f.peak_note,
+                seconds={k: round(v, 4) for k, v in f.seconds.items()}, sync_sites=f.sync_sites,
+                clock=type(hook.timeline.clock).__name__, report=hook.report_text)
+
+
+class _Replay:
+    """A loader made from a generator function (each iteration calls it again) and its length."""
+
+    def __init__(self, make, steps: int):
+        self.make, self.steps = make, steps
+
+    def __iter__(self):
+        return self.make()
+
+    def __len__(self):  # (sized, so the wait for each batch is timed as such, not read ahead with the last one)
+        return self.steps
+
+
+def section_speed_report(ctx: Ctx) -> dict:
+    """SpeedReportHook on the device: MFU of a bf16 MLP against the peak table (device events time the phases), and
+    a loader that sleeps is named first."""
+    width, batch, steps = (64, 8, 4) if ctx.dry else (4096, 256, 30)
+    compute = _speed_report_case(ctx, width, batch, steps, delay=0.0)
+    data_bound = _speed_report_case(ctx, width, batch, 6 if ctx.dry else 10, delay=0.1 if ctx.dry else 0.05)
+    mfu_ok = compute["mfu"] is not None and 0 < compute["mfu"] <= 1
+    ok = mfu_ok and data_bound["first"] == "data" and (compute["clock"] == "DeviceClock") == ctx.cuda
+    mfu = "none" if compute["mfu"] is None else f"{100 * compute['mfu']:.1f}%"
+    return verdict(ok, f"MFU {mfu} ({compute['peak']}); sleeping loader named first: {data_bound['first']}",
+                   compute=compute, data_bound=data_bound)
+
+
 def sections() -> List[tuple]:
     """(name, budget in seconds, function), in the order they run: cheap correctness first, compilation last."""
     import gpu_check_speed as speed
@@ -641,6 +698,7 @@ def sections() -> List[tuple]:
         ("checkpoint_resume", 45, section_checkpoint_resume),
         ("nccl_one_rank", 75, section_nccl_one_rank),
         ("two_ranks", 90, section_two_ranks),
+        ("speed_report", 60, section_speed_report),
         ("speed_resnet18", 60, speed.section("resnet18", compiled=False)),
         ("speed_gpt2", 75, speed.section("gpt2", compiled=False)),
         ("speed_resnet18_compile", 120, speed.section("resnet18", compiled=True)),

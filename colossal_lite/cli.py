@@ -1,4 +1,5 @@
-"""The ``colossal-lite`` command: ``info``, ``check CONFIG.py``, ``ckpt ...``, ``plot RUN``, ``--version``."""
+"""The ``colossal-lite`` command: ``info``, ``check CONFIG.py``, ``ckpt ...``, ``plot RUN``, ``report RUN``,
+``--version``."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,8 @@ from .context.config import ConfigException
 from .context.features import describe_features
 from .context.validation import load_config
 from .pipe_exit import BROKEN_PIPE_STATUS, quiet_on_broken_pipe
-from .utils.metrics_file import MetricsFileError
+from .trainer.speed_report import figures_from_records, format_report
+from .utils.metrics_file import MetricsFileError, find_metrics_file, read_metrics
 from .utils.plot import PLOT_FORMATS, PlotError, plot_metrics
 
 __all__ = ["main", "version_text", "quiet_on_broken_pipe", "BROKEN_PIPE_STATUS"]
@@ -116,6 +118,25 @@ def _plot(args) -> int:
     return 0
 
 
+def _add_report_parser(sub) -> None:
+    p = sub.add_parser("report", help="where a run's time went, ranked, with what to change",
+                       description="Read a run's metrics file and print the speed report of a fit that ran with "
+                                   "SpeedReportHook: throughput, MFU, and the time of each phase ranked, each with "
+                                   "one suggestion.")
+    p.add_argument("path", help="a run folder holding metrics.jsonl or metrics.csv, or such a file")
+    p.add_argument("--rows", type=int, default=6, help="how many causes to list (default 6)")
+
+
+def _report(args) -> int:
+    try:
+        figures = figures_from_records(read_metrics(find_metrics_file(args.path)))
+    except (MetricsFileError, ValueError) as e:
+        print(f"error: {args.path}: {e}", file=sys.stderr)
+        return 1
+    print(format_report(figures, rows=args.rows))
+    return 0
+
+
 @quiet_on_broken_pipe
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="colossal-lite", description="colossal_lite command-line tools")
@@ -131,6 +152,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="override a config value first, as a training script's --set does (repeatable)")
     ckpt_cli.register(sub)
     _add_plot_parser(sub)
+    _add_report_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
@@ -140,6 +162,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return ckpt_cli.run(args)
     if args.command == "plot":
         return _plot(args)
+    if args.command == "report":
+        return _report(args)
     return 2
 
 

@@ -4,6 +4,7 @@ Also re-exports the launch functions (the legacy ``colossalai.initialize`` modul
 """
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Callable, Iterable, Optional, Tuple, Union
 
@@ -12,9 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .amp.precision import build_precision
-from .context.config import Config
+from .context.config import Config, ConfigException
 from .context.defaults import GRADIENT_BUCKET_MB, setting
 from .context.features import describe_features
+from .context.validation import FEATURE_KEYS, validate_config
 from .core.global_context import global_context as gpc
 from .engine.accumulation import AccumulationDataLoader, AccumulationWindow
 from .engine.auto_batch import AutoMicroBatcher
@@ -58,6 +60,39 @@ def _check_launched():
                 f"Fix: call colossal_lite.{call} before colossal_lite.initialize(...) (or, to run this process alone "
                 f"on purpose, colossal_lite.launch(config=..., rank=0, world_size=1, host=None, port=None))")
         return
+
+
+# The config keys that describe one engine, so that ``initialize(..., config=...)`` may set them for it alone
+# (a GAN's discriminator with its own accumulation); the other feature keys belong to the whole process.
+ENGINE_KEYS = ("fp16", "clip_grad_norm", "gradient_accumulation", "grad_reduction", "nonfinite_loss", "zero",
+               "torch_ddp", "gradient_handler", "compile")
+
+
+def _engine_config(launch_config, overrides):
+    """The config this engine is built from: the launch config with ``overrides`` (``initialize(config=...)``)
+    laid over it, checked as a whole (a combination may be refused)."""
+    if overrides is None:
+        return launch_config
+    if not isinstance(overrides, dict):
+        raise TypeError(f"initialize(config=...) must be a dict of this engine's features, e.g. "
+                        f"config=dict(gradient_accumulation=2), got {type(overrides).__name__}")
+    for key in overrides:
+        if key in ENGINE_KEYS:
+            continue
+        if key in FEATURE_KEYS:
+            raise ValueError(f"initialize(config=...): '{key}' is a setting of the whole process, not of one engine; "
+                             f"set it in the config given to launch (launch_from_torch(config=...))")
+        meant = difflib.get_close_matches(str(key), ENGINE_KEYS, n=1, cutoff=0.8)
+        hint = f"did you mean '{meant[0]}'? " if meant else ""
+        raise ValueError(f"initialize(config=...): '{key}' is not an engine feature; {hint}an engine's own features "
+                         f"are {', '.join(ENGINE_KEYS)}")
+    # None takes the launch config's setting away for this engine (it gets the default), e.g. zero=None
+    merged = Config({key: value for key, value in {**dict(launch_config), **overrides}.items() if value is not None})
+    try:
+        validate_config(merged)
+    except ConfigException as err:
+        raise ConfigException(f"initialize(config=...): {err}") from None
+    return merged
 
 
 def _check_criterion(criterion):
@@ -183,16 +218,20 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
                lr_scheduler=None,
                ophooks=None,
                verbose: bool = True,
-               data_process_func: Optional[Callable] = None) -> Tuple[Engine, Optional[Iterable], Optional[Iterable], object]:
+               data_process_func: Optional[Callable] = None,
+               config: Optional[dict] = None) -> Tuple[Engine, Optional[Iterable], Optional[Iterable], object]:
     """Compose the features ``gpc.config`` asks for; returns ``(engine, train_dataloader, test_dataloader, lr_scheduler)``.
 
     ``model`` may be a module or a callable that builds one; ``optimizer`` an optimizer or a
     callable taking the parameters. Works before ``launch`` too (as one process, fp32).
+    ``config``: this engine's own features over the launch config (``ENGINE_KEYS``, e.g.
+    ``dict(gradient_accumulation=2, grad_reduction='sum')``; a key set to None: without the launch config's
+    setting), so engines of one program may differ.
     """
     if ophooks:
         raise ValueError("initialize(ophooks=...): op-hooks (Gemini) are not supported by colossal_lite; remove the argument")
     _check_launched()
-    config = gpc.config if gpc.config is not None else {}
+    config = _engine_config(gpc.config if gpc.config is not None else {}, config)
     logger = get_dist_logger()
     _check_criterion(criterion)
     world_size = gpc.get_world_size()

@@ -6,6 +6,8 @@ that imports it at its top stops the whole run at collection.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -19,3 +21,12 @@ def require_torchvision(why: str, module_level: bool = False):
                     f"({type(error).__name__}: {error}); install the torchvision built for this torch (README, "
                     f"'Install')", allow_module_level=module_level)
     return torchvision
+
+
+def require_transformers(why: str, module_level: bool = False) -> None:
+    """A skip that says ``why`` transformers is needed when it is not installed (it comes with
+    ``pip install -e ".[hf]"`` and in the dev extra). Found without importing it, so collecting a test file that
+    needs it costs nothing in a run that deselects its tests."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip(f"{why}, but transformers is not installed; install it with pip install -e \".[hf]\"",
+                    allow_module_level=module_level)

@@ -1,4 +1,4 @@
-"""``colossal-lite ckpt info PATH``, ``ckpt export PATH OUT [--ema]`` and ``ckpt merge PATH OUT``.
+"""``colossal-lite ckpt info PATH``, ``ckpt export PATH OUT [--ema] [--hf CONFIG]`` and ``ckpt merge PATH OUT``.
 
 ``register(subparsers)`` adds the ``ckpt`` command to a parser; ``run(args)`` executes it. Also
 runnable alone: ``python -m colossal_lite.checkpoint.cli info PATH``.
@@ -10,6 +10,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from ..pipe_exit import quiet_on_broken_pipe
+from .hf_export import describe, export_hf
 from .info import checkpoint_info
 from .io import CheckpointError, atomic_save, format_bytes, tensor_bytes
 from .reader import merge_checkpoint as merged_content
@@ -33,11 +34,18 @@ def _add_commands(sub) -> None:
     export = sub.add_parser("export", help="write the bare model weights (a state_dict) for inference")
     export.add_argument("path", help="a checkpoint folder (sharded ones too), pointer, checkpoint directory, merged "
                                      "file or save_checkpoint file")
-    export.add_argument("out", help="output file, loadable with torch.load(out, weights_only=True)")
+    export.add_argument("out", help="output file, loadable with torch.load(out, weights_only=True); with --hf an "
+                                    "output folder for from_pretrained")
     export.add_argument("--ema", action="store_true",
                         help="write the EMA average an EMAHook kept instead of the live (training) weights")
     export.add_argument("--ema-hook", metavar="KEY", default=None,
                         help="with several EMAHooks: the one whose average to write, e.g. EMAHook.1 (implies --ema)")
+    export.add_argument("--hf", metavar="CONFIG", default=None,
+                        help="write a Hugging Face model folder (save_pretrained) instead of a file: CONFIG is the "
+                             "model's config.json or a folder holding one (needs transformers)")
+    export.add_argument("--hf-class", metavar="NAME", default=None,
+                        help="with --hf: the transformers model class, e.g. GPT2LMHeadModel (default: the config's "
+                             "'architectures')")
     merge = sub.add_parser("merge", help="turn a sharded (zero stage 2/3) checkpoint into one file that resumes with "
                                          "any number of ranks and any zero stage")
     merge.add_argument("path", help="a checkpoint folder, pointer or checkpoint directory written by a sharded run")
@@ -87,7 +95,12 @@ def _info(path: str) -> int:
     return 0
 
 
-def _export(path: str, out: str, ema=False) -> int:
+def _export(path: str, out: str, ema=False, hf=None, hf_class=None) -> int:
+    if hf is not None:
+        print(describe(export_hf(path, out, hf, hf_class, ema, progress=False)))
+        return 0
+    if hf_class is not None:
+        raise ValueError("--hf-class names the model class of a Hugging Face export: give --hf CONFIG with it")
     weights = read_weights(path, ema)
     atomic_save(weights.state, out)
     what = "" if weights.steps is None else f" (the EMA weights of {weights.source}, {weights.steps} steps averaged)"
@@ -117,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         if args.ckpt_command == "info":
             return _info(args.path)
         if args.ckpt_command == "export":
-            return _export(args.path, args.out, args.ema_hook or args.ema)
+            return _export(args.path, args.out, args.ema_hook or args.ema, args.hf, args.hf_class)
         if args.ckpt_command == "merge":
             return _merge(args.path, args.out)
     except BrokenPipeError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..core.dist import all_agree, world_size
-from .batch import batch_len, call_criterion, call_with, split_samples
+from .batch import batch_len, call_with, split_samples
 from .reduction import not_a_loss
 from .strategy import AllReduceStrategy
 
@@ -50,7 +50,7 @@ class AutoMicroBatcher:
         for d, lab in zip(split_samples(data, parts, n), split_samples(label, parts, n)):
             with engine.strategy.no_sync(engine.model):
                 out = call_with(engine.run_model, d)  # the pieces are one micro-batch, entered above
-                loss = call_criterion(engine.criterion, out, lab)
+                loss = engine.compute_loss(out, lab, d)
                 if not isinstance(loss, torch.Tensor):
                     raise not_a_loss(loss, engine.criterion.wrapped, engine.reduction.name)
                 engine.loss_guard.watch(loss)

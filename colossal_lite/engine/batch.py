@@ -80,15 +80,15 @@ def call_with(fn: Callable, args: Any):
 
 
 def call_criterion(criterion: Callable, outputs: Any, labels: Any):
-    """Legacy argument spreading: outputs and labels as tensors, sequences or dicts."""
+    """Legacy argument spreading: outputs and labels as tensors, sequences or dicts. A dict output (a Hugging Face
+    ``ModelOutput`` is one) is spread only beside dict labels; beside anything else the criterion gets it whole,
+    to pick what it needs: ``criterion(output, labels)``."""
     if type(outputs) is torch.Tensor and type(labels) is torch.Tensor:  # the usual pair: nothing to spread
         return criterion(outputs, labels)
     outs = (outputs,) if not isinstance(outputs, (list, tuple, dict)) else outputs
     labs = (labels,) if not isinstance(labels, (list, tuple, dict)) else labels
     if isinstance(outs, dict):
-        if not isinstance(labs, dict):
-            raise ValueError("the model returned a dict, so the labels must be a dict too (criterion(**outputs, **labels))")
-        return criterion(**outs, **labs)
+        return criterion(**outs, **labs) if isinstance(labs, dict) else criterion(outs, *labs)
     if isinstance(labs, dict):
         return criterion(*outs, **labs)
     return criterion(*outs, *labs)

@@ -17,14 +17,17 @@ from torch import nn
 from ..amp.precision import FP32Precision
 from ..logging import get_dist_logger
 from .accumulation import AccumulationWindow, MicroBatch
+from .batch import call_criterion
 from .loss_guard import build_loss_guard
+from .model_loss import ModelLoss
 from .reduction import MeanReduction, not_a_loss
 from .schedule import NonPipelineSchedule
 from .strategy import DDPStrategy, HandlerStrategy, SingleProcess
 
 
 class _Criterion:
-    """``engine.criterion``: the user's criterion, run under the precision's autocast."""
+    """``engine.criterion``: the user's criterion, run under the precision's autocast; with none, the loss the
+    model returned (``ModelLoss``)."""
 
     def __init__(self, engine: "Engine"):
         self._engine = engine
@@ -32,8 +35,7 @@ class _Criterion:
     def __call__(self, *args, **kwargs):
         engine = self._engine
         if engine._criterion is None:
-            raise RuntimeError("engine.criterion was called but initialize() got no criterion; "
-                               "pass criterion=torch.nn.CrossEntropyLoss() (or your loss) to initialize")
+            return engine.model_loss(*args, **kwargs)
         with engine.precision.autocast():
             result = engine._criterion(*args, **kwargs)
         # only a pair can carry a token count for the reduction: ``(loss_sum, num_tokens)``
@@ -87,6 +89,8 @@ class Engine:
         self._model = model
         self._optimizer = optimizer
         self._criterion = criterion
+        # with no criterion the model computes its own loss; a ModelLoss criterion says where it is in the output
+        self.model_loss = criterion if isinstance(criterion, ModelLoss) else ModelLoss() if criterion is None else None
         self.precision = precision or FP32Precision()
         self.strategy = _strategy_with_handlers(strategy, gradient_handlers)
         self.window = window or AccumulationWindow(1)
@@ -187,6 +191,22 @@ class Engine:
             self.loss_guard.open_window()
         self.strategy.set_gradient_sync(self._model, where.last)
         return where
+
+    def compute_loss(self, output: Any, label: Any, batch: Any = None, required: bool = True):
+        """The micro-batch's loss as the training step takes it: the criterion on ``(output, label)``, spread as
+        legacy did; or, training on the model's own loss, that loss, with the batch's real tokens counted for
+        ``grad_reduction='per-token-mean'``. ``required=False`` (evaluation): None for an output with no loss."""
+        model_loss = self.model_loss
+        if model_loss is None:
+            if label is None and isinstance(batch, dict):
+                raise ValueError("the batch is a dict with no 'labels' entry, so the criterion has no target. Fix: "
+                                 "put the target under 'labels', or pass initialize(..., data_process_func=lambda "
+                                 "batch: (data, label)) to say which part is the label")
+            return call_criterion(self._criterion_call, output, label)
+        loss = model_loss(output) if required else model_loss.find(output)
+        if loss is not None and batch is not None and model_loss.num_tokens is not None:
+            self.reduction.note_tokens(model_loss.count_tokens(batch))
+        return loss
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear gradients before a window's first micro-batch only."""

@@ -32,6 +32,10 @@ class MeanReduction:
     def __init__(self):
         self._weights: Dict[Any, torch.Tensor] = {}  # 1 / window size, per (size, dtype, device): made once
 
+    def note_tokens(self, num_tokens) -> None:
+        """The real-token count of the micro-batch whose loss comes next (a model's own per-token mean loss);
+        only the per-token mean reads it."""
+
     def loss_weight(self, loss: torch.Tensor, where: MicroBatch, num_tokens=None) -> Optional[torch.Tensor]:
         """The micro-batch loss's weight in the window's loss (None: 1): backward starts from it."""
         if where.divisor == 1 or loss.ndim:  # (a loss of several numbers then meets torch's own error: not a scalar)
@@ -93,13 +97,17 @@ class TokenMeanReduction(MeanReduction):
         self._micro_tokens = n
         return loss_sum / n.clamp(min=1)
 
+    def note_tokens(self, num_tokens) -> None:
+        self._micro_tokens = num_tokens  # made a tensor on the loss's device at the backward
+
     def loss_weight(self, loss, where, num_tokens=None):
-        n = self._micro_tokens if num_tokens is None else torch.as_tensor(num_tokens, dtype=torch.float32,
-                                                                          device=loss.device)
+        n = self._micro_tokens if num_tokens is None else num_tokens
         if n is None:
             raise RuntimeError("grad_reduction='per-token-mean' needs each micro-batch's real-token count: let the "
-                               "criterion return (loss_sum, num_tokens) or call engine.backward(loss, num_tokens=n)")
+                               "criterion return (loss_sum, num_tokens), call engine.backward(loss, num_tokens=n), or, "
+                               "for a model's own loss, pass criterion=ModelLoss(num_tokens=lambda batch: count)")
         self._micro_tokens = None
+        n = torch.as_tensor(n, dtype=torch.float32, device=loss.device)  # (the same tensor when it is one already)
         self.tokens = n if self.tokens is None else self.tokens + n
         return n.to(loss.dtype)  # back to the micro-batch's token sum; divided by the global count at the step
 

@@ -52,10 +52,12 @@ class NonPipelineSchedule:
         return batch, data, label
 
     def split(self, batch):
+        """``(data, label)``: ``data_process_func``'s, or a pair as it is; a dict batch goes into the model whole
+        (``model(**batch)``, as Hugging Face models take theirs) and its ``'labels'`` entry is the label."""
         if self.data_process_func is not None:
             return self.data_process_func(batch)
         if isinstance(batch, dict):
-            raise ValueError("a dict batch needs data_process_func=lambda batch: (data, label) to say which part is the label")
+            return batch, batch.get("labels")
         if not isinstance(batch, (list, tuple)) or len(batch) != 2:
             raise ValueError("a batch must be (data, label); pass data_process_func=lambda batch: (data, label) for other layouts")
         return batch

@@ -14,7 +14,7 @@ import torch
 
 from ..core.tree import iter_leaves
 from .accumulation import MicroBatch
-from .batch import batch_len, call_criterion, call_with, move_to_device, take_rows
+from .batch import batch_len, call_with, move_to_device, take_rows
 
 
 class NoEvents:
@@ -42,16 +42,20 @@ class TrainStep:
     ``owner`` (the Trainer) as their first argument; ``record`` receives what each line produced, and what a
     handler writes there (a new batch, target or loss) is what the next line uses."""
 
+    #: Functions called with no argument as each batch starts to load: a speed report marks there the end of
+    #: the wait for data and the start of the host-to-device copy (no event fires between the two).
+    before_load: tuple = ()
+
     def __init__(self, engine, record: Any = None, events: Any = NO_EVENTS, owner: Any = None):
         self.engine = engine
         self.record = record if record is not None else StepRecord()
         self.events = events
         self.owner = owner
         self.measure_grad_norm = bool(events.after_grad_norm)  # a hook wants the norm even without clipping
-        # ``engine(x)`` and ``engine.criterion(out, y)`` as bound methods: calling one goes straight to the method,
-        # where calling the object first looks ``__call__`` up on its type (the same code runs)
+        # ``engine(x)`` as a bound method: calling it goes straight to the method, where calling the object first
+        # looks ``__call__`` up on its type (the same code runs)
         self.forward = engine.__call__
-        self.criterion = engine.criterion.__call__
+        self.loss = engine.compute_loss
 
     def run(self, batch: Any, where: MicroBatch) -> None:
         """Train on one micro-batch; when it closes its window, update the parameters."""
@@ -66,6 +70,8 @@ class TrainStep:
         """Put the batch on the engine's device and split it into ``(data, label)``; a handler of
         ``after_batch_loaded`` may replace the whole batch (it is split again) or its parts."""
         rec, owner, schedule = self.record, self.owner, self.engine.schedule
+        for fn in self.before_load:
+            fn()
         placed = schedule.current_batch = move_to_device(batch, self.engine.device)
         rec.batch = placed
         rec.data, rec.label = schedule.split(placed)
@@ -84,7 +90,7 @@ class TrainStep:
         rec.output = call_with(self.forward, rec.data)
         for fn in events.after_forward:
             fn(owner)
-        rec.loss = call_criterion(self.criterion, rec.output, rec.label)
+        rec.loss = self.loss(rec.output, rec.label, rec.batch)
         for fn in events.after_loss:
             fn(owner)
         for fn in events.before_backward:
@@ -123,7 +129,7 @@ class TrainStep:
         rec.output = call_with(self.forward, rec.data)
         if keep is not None and self._keep_rows(keep, with_loss):
             return
-        rec.loss = call_criterion(self.criterion, rec.output, rec.label) if with_loss else None
+        rec.loss = self.loss(rec.output, rec.label, rec.batch, required=False) if with_loss else None
 
     def _keep_rows(self, keep: int, with_loss: bool) -> bool:
         """Cut the loaded batch, its split and the output to their first ``keep`` rows, then take the loss of
@@ -134,12 +140,12 @@ class TrainStep:
         rows = batch_len(rec.batch)
         if not any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows for t in iter_leaves(rec.output)):
             return False
-        nothing = torch.zeros_like(call_criterion(self.criterion, rec.output, rec.label)) \
-            if with_loss and not keep else None
+        loss = self.loss(rec.output, rec.label, rec.batch, required=False) if with_loss and not keep else None
+        nothing = None if loss is None else torch.zeros_like(loss)
         rec.batch = schedule.current_batch = take_rows(rec.batch, rows, keep)
         rec.data, rec.label, rec.output = (take_rows(part, rows, keep) for part in (rec.data, rec.label, rec.output))
         if with_loss and keep:
-            rec.loss = call_criterion(self.criterion, rec.output, rec.label)
+            rec.loss = self.loss(rec.output, rec.label, rec.batch, required=False)
         else:
             rec.loss = nothing
         return True

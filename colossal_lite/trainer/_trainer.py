@@ -14,7 +14,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -31,6 +31,7 @@ from ._epoch import SizedEpoch, UnsizedEpoch
 from ._padding import RealRows
 from ._predict import is_loader, predict_loader
 from ._recorder import Recorder, flat_params
+from ._user_step import UserStep, bind_user_step
 from .checkpointing import CheckpointSession, checkpoint_round_trip
 from .events import Event
 from .history import History
@@ -101,7 +102,7 @@ class TestModeResult:
     message: str
     train_batches: int
     eval_batches: int
-    train_loss: float
+    train_loss: Optional[float]  # None: a step of the user's own returned no loss
     eval_loss: Optional[float]
     optimizer_updated: bool
     checkpoint: Optional[str] = None  # what the checkpoint round trip found (None: not run)
@@ -185,14 +186,15 @@ def _checked_hooks(hooks) -> List[BaseHook]:
 
 
 def _test_mode_result(finite: bool, checkpoint_note: Optional[str], n_train: int, n_eval: int, has_test: bool,
-                      train_loss: float, eval_loss: Optional[float], updated: bool) -> "TestModeResult":
+                      train_loss: Optional[float], eval_loss: Optional[float], updated: bool) -> "TestModeResult":
     """The verdict of test mode, with its one-line message."""
     checkpoint_ok = checkpoint_note is None or "FAILED" not in checkpoint_note
     parts = [f"{n_train} train batch" + ("es" if n_train != 1 else "")]
     if has_test:
         parts.append(f"{n_eval} eval batch" + ("es" if n_eval != 1 else ""))
     ran = " and ".join(parts) + " ran"
-    losses = f"train loss {train_loss:.4g}" + ("" if eval_loss is None else f", eval loss {eval_loss:.4g}")
+    losses = ("train loss not given (the step returned none)" if train_loss is None else f"train loss {train_loss:.4g}")
+    losses += "" if eval_loss is None else f", eval loss {eval_loss:.4g}"
     step = "optimizer step applied" if updated else "optimizer step skipped (fp16 overflow)"
     if not has_test:
         step += ", no test_dataloader given"
@@ -443,7 +445,8 @@ class Trainer:
             test_dataloader: Optional[Iterable] = None, test_interval: Union[int, str, Time] = 1,
             hooks: Optional[List[BaseHook]] = None, display_progress: bool = False, return_output_label: bool = True,
             max_duration: Union[int, str, Time, None] = None, test_mode: bool = False, resume_from=None,
-            log_dir: Union[str, "os.PathLike[str]", None, bool] = None, trackers: Optional[List[Tracker]] = None):
+            log_dir: Union[str, "os.PathLike[str]", None, bool] = None, trackers: Optional[List[Tracker]] = None,
+            step: Union[UserStep, Callable, None] = None):
         """Train for ``epochs`` epochs in total (or ``max_steps`` optimizer steps, or ``max_duration``).
 
         Evaluates on ``test_dataloader`` every ``test_interval`` (int epochs, ``'2ep'``, ``'500ba'``,
@@ -459,6 +462,8 @@ class Trainer:
         (``docs/metrics.md``). ``log_dir``: the run's folder (None: the ``SaveCheckpointHook``'s folder; False:
         none), where a ``metrics.jsonl`` is written unless ``trackers`` has a ``MetricsFile``; ``trackers``: where
         else the values go (``TensorBoardTracker``, ``MLflowTracker``, your own ``Tracker``), on rank 0.
+        ``step``: a training step of your own, ``fn(trainer, batch)`` or ``UserStep(fn, engines=..., evaluate=...)``,
+        for programs with several engines or state carried between batches (docs/trainer.md, "Your own step").
         """
         run = self._begin_fit(train_dataloader, test_dataloader, epochs, max_steps, max_duration, test_interval,
                               display_progress, return_output_label)
@@ -467,6 +472,8 @@ class Trainer:
         checkpoints = None
         try:
             self._attach(hooks, "training", recorder)
+            if step is not None:
+                self._step = bind_user_step(step, self, self._h, self._step)
             checkpoints = self._checkpoints = CheckpointSession(self, train_dataloader, saving=not test_mode)
             checkpoints.resume(resume_from)
             if test_mode:
@@ -681,11 +688,10 @@ class Trainer:
         """Evaluation's steps, each followed by ``after_test_iter``; a distributed sampler's padded repeats are cut
         from each batch's outputs, labels and loss after its forward, so no hook or metric counts them."""
         st, h, timer, step = self.state, self._h, self._run_timer, self._step
-        with_loss = self._engine.criterion.wrapped is not None
         real = RealRows(loader)
         count = 0
         for batch in self._test_batches(loader, total):
-            step.forward_only(batch, with_loss, real.of(batch))
+            step.forward_only(batch, keep=real.of(batch))  # the loss: the criterion's, or the model's when it gives one
             timer.stop("Test-step", keep_in_history=True)
             output, label = (st.output, st.label) if return_output_label else (None, None)
             for fn in h.after_test_iter:
@@ -745,7 +751,8 @@ class Trainer:
         engine.window.continue_at(st.batch_idx)
         self._train_loop(run, iter(run.train_loader), NO_PROGRESS, until_step=True)
         n_train = st.iteration - saved_progress["iteration"]
-        train_loss, updated = st.loss.detach().float(), st.updated
+        train_loss = None if st.loss is None else st.loss.detach().float()  # (a step of the user's may give none)
+        updated = st.updated
         self.fire(Event.AFTER_TRAIN_EPOCH)
         eval_loss, n_eval = None, 0
         if run.test_loader is not None:
@@ -754,11 +761,12 @@ class Trainer:
                 eval_loss = st.loss.detach().float()
         checkpoint_note = checkpoint_round_trip(self, run.train_loader)
         self.fire(Event.AFTER_TRAIN)
-        finite = self._all_finite([train_loss] + ([eval_loss] if eval_loss is not None else []))
+        losses = [loss for loss in (train_loss, eval_loss) if loss is not None]
+        finite = self._all_finite(losses)
         st.load_state_dict(saved_progress)
+        train_loss, eval_loss = (None if loss is None else float(loss.item()) for loss in (train_loss, eval_loss))
         result = _test_mode_result(finite, checkpoint_note, n_train, n_eval, run.test_loader is not None,
-                                   float(train_loss.item()), None if eval_loss is None else float(eval_loss.item()),
-                                   bool(updated))
+                                   train_loss, eval_loss, bool(updated))
         self.test_mode_result = result
         if not result.ok:
             raise TestModeFailed(result)

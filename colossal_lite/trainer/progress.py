@@ -206,7 +206,9 @@ class PlainProgress(_Counter):
             self._emit(time.monotonic())
 
 
-SHORT_NAMES = {"accuracy": "acc", "throughput": "tput"}  # the built-in step metrics' long names
+SHORT_NAMES = {"accuracy": "acc", "throughput": "tput",  # the built-in step metrics' long names
+               "samples_per_s": "samples/s", "samples_per_s_per_rank": "samples/s/rank",
+               "tokens_per_s": "tokens/s", "tokens_per_s_per_rank": "tokens/s/rank"}
 
 
 def compact_number(value: Any) -> str:

@@ -20,17 +20,19 @@ from ._metric_hook import (
 )
 from ._mixup import MixUp
 from ._profiler import ProfilerHook
+from ._speed import SpeedReportHook
 
 __all__ = [
     "BaseHook", "MetricHook", "LossHook", "AccuracyHook", "LRSchedulerHook", "LogMetricByStepHook",
     "LogMetricByEpochHook", "TensorboardHook", "LogTimingByEpochHook", "LogMemoryByEpochHook", "ThroughputHook",
     "EarlyStoppingHook", "EMAHook", "MixUp", "LogByEpochHook", "SaveCheckpointHook", "LoadCheckpointHook",
     "Metric", "LossMetric", "AccuracyMetric", "LearningRateMetric", "ThroughputMetric", "ProfilerHook",
+    "SpeedReportHook",
 ]
 
 # legacy registered every built-in hook, so a config or builder can name one: HOOKS.get_module('LossHook')
 for _hook in (LossHook, AccuracyHook, LRSchedulerHook, LogMetricByStepHook, LogMetricByEpochHook, TensorboardHook,
               LogTimingByEpochHook, LogMemoryByEpochHook, ThroughputHook, EarlyStoppingHook, EMAHook, MixUp,
-              SaveCheckpointHook, LoadCheckpointHook, ProfilerHook):
+              SaveCheckpointHook, LoadCheckpointHook, ProfilerHook, SpeedReportHook):
     HOOKS.register_module(_hook)
 del _hook

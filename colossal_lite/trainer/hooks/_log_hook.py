@@ -28,6 +28,9 @@ def metrics_line(metrics: dict) -> str:
     """``'Loss = 0.51 | LR = 0.1'`` from a phase's metrics; reads epoch values (a collective: every rank calls it)."""
     parts = []
     for name, metric in metrics.items():
+        if not getattr(metric, "in_log_line", True):  # (a speed report's phase seconds: read with the report)
+            metric.get_accumulated_value()  # (still read on every rank: a collective)
+            continue
         if hasattr(metric, "get_accumulated_info"):
             text = metric.get_accumulated_info()
         else:

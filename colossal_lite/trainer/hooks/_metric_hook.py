@@ -523,20 +523,54 @@ class LossHook(MetricHook):
             self.test_loss.update(loss, _samples(trainer, label))
 
 
+def logits_of(output: Any) -> Any:
+    """The logits in a model's output: a dict's (a Hugging Face ``ModelOutput``'s) ``'logits'``, else the output."""
+    if not isinstance(output, dict):
+        return output
+    if "logits" not in output:
+        raise ValueError(f"the model's output is a {type(output).__name__} with no 'logits' entry (it has "
+                         f"{list(output.keys())}): say where the logits are, e.g. "
+                         f"AccuracyHook(..., logits_from=lambda output: output[{next(iter(output), 'key')!r}])")
+    return output["logits"]
+
+
+def labels_of(label: Any) -> Any:
+    """The targets in a label: a dict's ``'labels'`` entry, else the label."""
+    if not isinstance(label, dict):
+        return label
+    if "labels" not in label:
+        raise ValueError(f"the label is a dict with no 'labels' entry (it has {list(label.keys())}): say where the "
+                         f"targets are, e.g. AccuracyHook(..., labels_from=lambda label: label[...])")
+    return label["labels"]
+
+
+def _checked_function(fn: Optional[Callable], default: Callable, name: str) -> Callable:
+    if fn is None:
+        return default
+    if not callable(fn):
+        raise TypeError(f"AccuracyHook({name}=...) must be a function, e.g. {name}=lambda x: x[...]; got {fn!r}")
+    return fn
+
+
 class AccuracyHook(MetricHook):
     """Test ``'Accuracy'`` (and train ``'Accuracy'`` with ``track_train=True``).
 
     ``accuracy_func(logits, targets)`` returns the number of correct predictions (e.g.
     ``colossal_lite.nn.metric.Accuracy()``); a ``torchmetrics`` metric is also accepted.
+    ``logits_from(output)`` and ``labels_from(label)`` say where the logits and the targets are; by default a
+    dict output (a Hugging Face ``ModelOutput``) gives its ``'logits'`` and a dict label its ``'labels'``.
     """
 
-    def __init__(self, accuracy_func: Callable, priority: int = 0, track_train: bool = False):
+    def __init__(self, accuracy_func: Callable, priority: int = 0, track_train: bool = False,
+                 logits_from: Optional[Callable] = None, labels_from: Optional[Callable] = None):
         super().__init__(priority)
         if not callable(accuracy_func):
             raise TypeError(f"AccuracyHook(accuracy_func=...) must be callable (logits, targets) -> number correct, "
                             f"e.g. colossal_lite.nn.metric.Accuracy(); got {accuracy_func!r}")
         self.accuracy_func = accuracy_func
         self.track_train = bool(track_train)
+        self.logits_from = _checked_function(logits_from, logits_of, "logits_from")
+        self.labels_from = _checked_function(labels_from, labels_of, "labels_from")
 
     @property
     def skipped_events(self):
@@ -569,18 +603,18 @@ class AccuracyHook(MetricHook):
     def before_test(self, trainer):
         self.metric.reset()
 
-    def after_test_iter(self, trainer, logits, targets, *args):
-        self._check(logits, targets)
-        self.metric.update(logits, targets, _num_samples(trainer))
+    def after_test_iter(self, trainer, output, label, *args):
+        self._check(output, label)
+        self.metric.update(self.logits_from(output), self.labels_from(label), _num_samples(trainer))
 
     def before_train_epoch(self, trainer):
         if self.train_metric is not None:
             self.train_metric.reset()
 
-    def after_train_iter(self, trainer, logits, targets, *args):
+    def after_train_iter(self, trainer, output, label, *args):
         if self.train_metric is not None:
-            self._check(logits, targets)
-            self.train_metric.update(logits, targets, _num_samples(trainer))
+            self._check(output, label)
+            self.train_metric.update(self.logits_from(output), self.labels_from(label), _num_samples(trainer))
 
 
 def _is_plateau(lr_scheduler) -> bool:

@@ -1,0 +1,188 @@
+"""The speed report: where a run's time went, ranked, with one suggestion per dominant cause.
+
+``SpeedFigures`` holds what a run measured (seconds by phase, steps, throughput, MFU); it comes from a live
+``SpeedReportHook`` or from a run's ``metrics.jsonl`` (``figures_from_records``, which ``colossal-lite report``
+uses). ``rank_causes`` turns it into rows, largest first, each naming a cause and what to change;
+``format_report`` writes them as the short table a user reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional
+
+from ..utils.metrics_file import by_name
+
+__all__ = ["SpeedFigures", "Cause", "rank_causes", "format_report", "figures_from_records", "PHASES",
+           "SMALL_KERNEL_S"]
+
+#: The phases a training run is split into, in the order a step runs them, with what each is in words.
+PHASES: Dict[str, str] = {
+    "data": "waiting for data",
+    "h2d": "host-to-device copies",
+    "forward": "forward and loss",
+    "backward": "backward",
+    "communication": "gradient communication (exposed)",
+    "optimizer": "clipping and optimizer step",
+    "checkpoint": "checkpoint saves",
+    "evaluation": "evaluation",
+    "loop": "the trainer's own loop (progress display, bookkeeping; a loader without len is read ahead here)",
+}
+HOOK_PREFIX = "hook:"  # a hook's own time is the phase "hook:<its class name>"
+
+#: The fixed cost of launching one operator (the framework's dispatch and, on a GPU, the kernel launch): an
+#: operator whose arithmetic at the device's peak takes less than this is dominated by its launch.
+SMALL_KERNEL_S = 5e-6
+
+_SUGGESTIONS = {
+    "data": "data-bound: raise the DataLoader's num_workers, set pin_memory=True, or make the dataset faster "
+            "(decode once and cache, smaller samples)",
+    "h2d": "pin_memory=True in the DataLoader (the copies can then overlap), and move only the tensors the model needs",
+    "small kernels": "many small kernels: compile=True in the config fuses them (torch.compile), or use fewer, "
+                     "larger layers / a larger micro-batch",
+    "forward": "the model's own arithmetic: bf16 (fp16 = dict(mode='bf16')), a larger micro-batch, or compile=True",
+    "backward": "the model's own arithmetic: bf16 (fp16 = dict(mode='bf16')), a larger micro-batch, or compile=True",
+    "communication": "communication-bound: raise gradient_accumulation (one all-reduce per window), try another "
+                     "ZeRO stage (zero = dict(stage=...)), or a larger bucket (torch_ddp = dict(bucket_cap_mb=...))",
+    "optimizer": "a fused or foreach optimizer (torch.optim.AdamW(..., fused=True)), or ZeRO stage 1 to shard the "
+                 "optimizer's work",
+    "checkpoint": "checkpoints block training: save less often (SaveCheckpointHook's interval) or keep fewer files",
+    "evaluation": "evaluate less often (fit's test_interval) or on a smaller test set",
+    "loop": "display_progress=False; for a loader without len this is also its wait for data (give it a len)",
+    "host syncs": "host syncs stall the device: remove the .item()/.cpu()/print of tensors at the places listed",
+}
+
+
+@dataclass
+class SpeedFigures:
+    """What a run measured. ``seconds``: time by phase (``PHASES`` keys and ``'hook:<Name>'``), mean over ranks;
+    ``ops_per_micro_batch``: operators one micro-batch's forward and backward dispatch (None: not counted)."""
+
+    seconds: Dict[str, float]
+    steps: int = 0
+    micro_batches: int = 0
+    world_size: int = 1
+    samples_per_s: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    mfu: Optional[float] = None
+    peak_note: str = ""
+    ops_per_micro_batch: Optional[float] = None
+    flops_per_micro_batch: Optional[float] = None
+    peak_flops: Optional[float] = None
+    sync_sites: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Cause:
+    """One row of the report: ``key`` (a phase, ``'small kernels'`` or ``'hook:<Name>'``), its seconds and
+    share of the measured time, the cause in words and what to change."""
+
+    key: str
+    seconds: float
+    share: float
+    what: str
+    suggestion: str
+
+
+def _small_kernels(figures: SpeedFigures) -> bool:
+    """Forward and backward are dominated by the launch cost of their operators: the mean operator's arithmetic
+    at the device's peak is shorter than a launch (without a peak: its measured time is)."""
+    ops = figures.ops_per_micro_batch or 0
+    if not ops or not figures.micro_batches:
+        return False
+    if figures.flops_per_micro_batch is not None and figures.peak_flops:
+        return figures.flops_per_micro_batch / ops / figures.peak_flops < SMALL_KERNEL_S
+    compute = figures.seconds.get("forward", 0.0) + figures.seconds.get("backward", 0.0)
+    return compute / (ops * figures.micro_batches) < SMALL_KERNEL_S
+
+
+def _rows(figures: SpeedFigures) -> List[tuple]:
+    """(key, seconds, what) for every phase that took time; forward and backward as one row when small kernels
+    dominate them."""
+    seconds = dict(figures.seconds)
+    rows = []
+    if _small_kernels(figures):
+        compute = seconds.pop("forward", 0.0) + seconds.pop("backward", 0.0)
+        ops = figures.ops_per_micro_batch * figures.micro_batches
+        rows.append(("small kernels", compute, f"forward and backward: many small kernels ({figures.ops_per_micro_batch:.0f} "
+                                               f"operators per micro-batch, {compute / ops * 1e6:.1f} us each)"))
+    for key, value in seconds.items():
+        if key.startswith(HOOK_PREFIX):
+            rows.append((key, value, f"the hook {key[len(HOOK_PREFIX):]}"))
+        elif key in PHASES:
+            rows.append((key, value, PHASES[key]))
+    return rows
+
+
+def rank_causes(figures: SpeedFigures) -> List[Cause]:
+    """The phases by time, largest first, each with its share of the measured time and a suggestion."""
+    rows = [row for row in _rows(figures) if row[1] > 0]
+    total = sum(row[1] for row in rows) or 1.0
+    causes = []
+    for key, value, what in sorted(rows, key=lambda row: -row[1]):
+        if key.startswith(HOOK_PREFIX):
+            per_step = value / max(figures.steps, 1) * 1e3
+            suggestion = (f"{key[len(HOOK_PREFIX):]} takes {per_step:.3g} ms per step: run it less often or move "
+                          f"its work off the step")
+        else:
+            suggestion = _SUGGESTIONS.get(key, "")
+        causes.append(Cause(key, value, value / total, what, suggestion))
+    if figures.sync_sites:
+        causes.insert(0, Cause("host syncs", 0.0, 0.0, "host-device syncs on the step: " +
+                               ", ".join(figures.sync_sites), _SUGGESTIONS["host syncs"]))
+    return causes
+
+
+def _headline(figures: SpeedFigures) -> str:
+    parts = [f"{figures.steps} optimizer steps on {figures.world_size} rank(s)"]
+    if figures.samples_per_s is not None:
+        parts.append(f"{figures.samples_per_s:.4g} samples/s "
+                     f"({figures.samples_per_s / figures.world_size:.4g} per rank)")
+    if figures.tokens_per_s is not None:
+        parts.append(f"{figures.tokens_per_s:.4g} tokens/s")
+    if figures.mfu is not None:
+        parts.append(f"MFU {100 * figures.mfu:.3g}% (peak {figures.peak_note})")
+    elif figures.peak_note:
+        parts.append(figures.peak_note)
+    return "Speed report: " + ", ".join(parts)
+
+
+def format_report(figures: SpeedFigures, rows: int = 6) -> str:
+    """The headline (throughput, MFU), then the ``rows`` largest causes: share, seconds, cause, what to do."""
+    lines = [_headline(figures)]
+    causes = rank_causes(figures)
+    if not causes:
+        return lines[0] + "\n  (no time measured)"
+    lines.append(f"  {'share':>6}  {'seconds':>9}  where the time went -> what to change")
+    for cause in causes[:rows]:
+        lines.append(f"  {100 * cause.share:5.1f}%  {cause.seconds:9.3f}  {cause.what}")
+        if cause.suggestion:
+            lines.append(f"  {'':>6}  {'':>9}  -> {cause.suggestion}")
+    return "\n".join(lines)
+
+
+def figures_from_records(records: Iterable[Mapping]) -> SpeedFigures:
+    """The figures of a run from its metrics file's records (``utils.metrics_file.read_metrics``): the phase
+    seconds summed over the epochs' records (``train/time/<phase>``) and the evaluations'
+    (``test/time/evaluation``), the step counts summed, throughput and MFU of the last epoch. Raises ValueError
+    when the run recorded no speed breakdown."""
+    sums: Dict[str, float] = {}
+    last: Dict[str, float] = {}
+    for name, (_, values) in by_name(records).items():
+        values = [v for v in values if v == v]  # (NaN: not measured)
+        if values:
+            sums[name], last[name] = sum(values), values[-1]
+    seconds = {name.split("/", 2)[2]: value for name, value in sums.items()
+               if name.startswith(("train/time/", "test/time/"))}
+    if not seconds:
+        raise ValueError("no speed breakdown in this run's metrics (no train/time/... values): run fit with "
+                         "hooks=[SpeedReportHook()] to record one")
+    peak = last.get("train/speed/peak_tflops")
+    return SpeedFigures(
+        seconds=seconds, steps=int(sums.get("train/speed/steps", 0)),
+        micro_batches=int(sums.get("train/speed/micro_batches", 0)),
+        world_size=int(last.get("train/speed/world_size", 1)), samples_per_s=last.get("train/samples_per_s"),
+        tokens_per_s=last.get("train/tokens_per_s"), mfu=last.get("train/mfu"),
+        peak_note="" if peak is None else f"{peak:g} TFLOP/s",
+        ops_per_micro_batch=last.get("train/speed/ops_per_micro_batch"),
+        flops_per_micro_batch=last.get("train/speed/flops_per_micro_batch"),
+        peak_flops=None if peak is None else peak * 1e12)

@@ -1,0 +1,275 @@
+"""SpeedReportHook: throughput and MFU in the history, the metrics file and the logs; where the time went, proved by
+injected bottlenecks (each report names its cause first); ``colossal-lite report`` reads the same from the file."""
+import json
+import logging
+import re
+import time
+
+import pytest
+import torch
+from sync_counter import count_syncs
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import colossal_lite
+from colossal_lite.cli import main as cli_main
+from colossal_lite.core.global_context import global_context as gpc
+from colossal_lite.trainer import Trainer
+from colossal_lite.trainer._timeline import HostClock, Timeline
+from colossal_lite.trainer.hooks import (
+    BaseHook,
+    LogMetricByEpochHook,
+    LogMetricByStepHook,
+    LossHook,
+    SaveCheckpointHook,
+    SpeedReportHook,
+)
+from colossal_lite.trainer.speed_report import SpeedFigures, figures_from_records, format_report, rank_causes
+from colossal_lite.utils.metrics_file import read_metrics
+
+PEAK = 1.0  # TFLOP/s given to the hook, so no CPU peak is measured in these tests
+FLOPS = 1000.0  # training FLOPs per sample given to the hook in the fast tests (see COUNTS)
+#: Counting the FLOPs runs the model under torch dispatch modes, whose first use in a process imports torch's
+#: compiler front end (seconds): the tests that count are in the slow tier.
+COUNTS = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared machine two threads spin against each other and a tiny step's time is
+    then mostly waiting, which no report should be asked to explain."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_data(n=32, features=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, features, generator=g), torch.randint(0, 2, (n,), generator=g))
+
+
+class SlowData(torch.utils.data.Dataset):
+    """A dataset whose every sample takes ``delay`` seconds to read."""
+
+    def __init__(self, n=16, delay=0.01):
+        self.data, self.delay = make_data(n), delay
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        time.sleep(self.delay)
+        return self.data[i]
+
+
+class SleepyHook(BaseHook):
+    def after_train_iter(self, trainer, *args):
+        time.sleep(0.05)
+
+
+def build(model=None, data=None, batch_size=8):
+    torch.manual_seed(0)
+    model = model if model is not None else nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+    engine, loader, _, _ = colossal_lite.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+        DataLoader(data if data is not None else make_data(), batch_size=batch_size), verbose=False)
+    return engine, loader
+
+
+def fit(hooks, model=None, data=None, epochs=1, log_dir=False, count_flops=False, display=False, **kwargs):
+    engine, loader = build(model, data)
+    speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=None if count_flops else FLOPS, **kwargs)
+    trainer = Trainer(engine)
+    trainer.fit(loader, epochs=epochs, hooks=[speed] + list(hooks), log_dir=log_dir, display_progress=display)
+    return speed, trainer, engine
+
+
+def first_cause(speed):
+    return rank_causes(speed.figures)[0]
+
+
+# -- injected bottlenecks: each report names its cause first ----------------------------------------------------
+def test_a_loader_that_sleeps_is_named_first():
+    speed, _, _ = fit([LossHook()], data=SlowData(n=16, delay=0.01))
+    cause = first_cause(speed)
+    assert cause.key == "data", format_report(speed.figures)
+    assert "num_workers" in cause.suggestion and "pin_memory=True" in cause.suggestion
+    assert cause.share > 0.5
+
+
+def test_a_hook_that_sleeps_is_named_first_by_its_class():
+    speed, _, _ = fit([LossHook(), SleepyHook()])
+    cause = first_cause(speed)
+    assert cause.key == "hook:SleepyHook", format_report(speed.figures)
+    assert cause.what == "the hook SleepyHook"
+    assert cause.suggestion.startswith("SleepyHook takes ") and "ms per step" in cause.suggestion
+    assert speed.figures.seconds["hook:SleepyHook"] >= 4 * 0.05
+
+
+@COUNTS
+def test_many_tiny_layers_are_named_as_small_kernels_with_compile():
+    layers = [m for _ in range(60) for m in (nn.Linear(4, 4), nn.Tanh())]
+    speed, _, _ = fit([LossHook()], model=nn.Sequential(*layers, nn.Linear(4, 2)), count_flops=True)
+    cause = first_cause(speed)
+    assert cause.key == "small kernels", format_report(speed.figures)
+    assert "compile=True" in cause.suggestion
+    assert speed.flops.ops > 200  # counted once on meta tensors: forward and backward of 121 layers
+
+
+def test_a_checkpoint_every_step_is_named_first(tmp_path):
+    saver = SaveCheckpointHook(interval="1ba", checkpoint_dir=str(tmp_path / "ck"))
+    speed, _, _ = fit([LossHook(), saver], model=nn.Sequential(nn.Linear(4, 256), nn.Tanh(), nn.Linear(256, 2)))
+    cause = first_cause(speed)
+    assert cause.key == "checkpoint", format_report(speed.figures)
+    assert "save less often" in cause.suggestion
+
+
+# -- the figures a user reads -------------------------------------------------------------------------------------
+def test_throughput_and_mfu_in_history_metrics_file_logs_and_the_cli_report(tmp_path, caplog, capsys):
+    caplog.set_level(logging.INFO)
+    logger = logging.getLogger("speed-test")
+    speed, trainer, _ = fit([LossHook(), LogMetricByStepHook(), LogMetricByEpochHook(logger=logger), SleepyHook()],
+                            epochs=2, log_dir=tmp_path, display=True)
+    history = trainer.history
+    sps = history["train/samples_per_s"]
+    assert len(sps) == 2 and all(v > 0 for v in sps)
+    assert len(history["train/samples_per_s_step"]) == 7  # one per optimizer step after the warm-up step
+    assert history["train/samples_per_s_per_rank"] == sps  # one rank
+    # MFU is the FLOPs per sample times the samples per second over the peak given
+    mfu = history["train/mfu"][-1]
+    assert mfu == pytest.approx(FLOPS * sps[-1] / (PEAK * 1e12), rel=1e-9)
+    epoch_lines = [r.getMessage() for r in caplog.records if "/ Train]" in r.getMessage()]
+    assert epoch_lines and "samples_per_s = " in epoch_lines[-1] and "mfu = " in epoch_lines[-1]
+    assert "time/" not in epoch_lines[-1]  # the phase seconds stay out of the log line
+    names = {r["name"] for r in read_metrics(tmp_path / "metrics.jsonl")}
+    assert {"train/samples_per_s", "train/samples_per_s_step", "train/mfu", "train/time/data",
+            "train/time/hook:SleepyHook", "train/speed/steps"} <= names
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[Epoch 1 / Train]")]
+    assert progress and re.search(r" samples_per_s=[\d.e+]+ samples_per_s_per_rank=[\d.e+]+ mfu=", progress[-1])
+    # the command line reads the same run and names the same first cause
+    assert cli_main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Speed report: 7 optimizer steps on 1 rank(s)")  # (the first is the warm-up)
+    lines = out.splitlines()
+    assert "the hook SleepyHook" in lines[2], out
+    assert figures_from_records(read_metrics(tmp_path / "metrics.jsonl")).steps == 7
+
+
+def test_the_report_is_logged_at_the_end_of_fit(capsys):
+    engine, loader = build(data=SlowData(n=24, delay=0.01))
+    Trainer(engine).fit(loader, epochs=1, hooks=[SpeedReportHook(peak_tflops=PEAK, flops_per_sample=FLOPS),
+                                                 LossHook()], log_dir=False)
+    text = capsys.readouterr().out
+    assert "Speed report: 2 optimizer steps on 1 rank(s)" in text  # (3 steps, the first one the warm-up)
+    assert "waiting for data\n" in text and "-> data-bound: raise the DataLoader's num_workers" in text
+
+
+def test_the_report_changes_no_parameter_or_buffer():
+    """Training with the report on is bitwise the training without it (parameters and BatchNorm's buffers)."""
+    def model():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+    _, _, with_report = fit([LossHook()], model=model(), epochs=2)
+    engine, loader = build(model())
+    Trainer(engine).fit(loader, epochs=2, hooks=[LossHook()], log_dir=False)
+    for a, b in zip(with_report.unwrapped_model.state_dict().values(), engine.unwrapped_model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_per_step_path_has_no_host_sync_with_the_report_on():
+    """The syncs from package code do not grow with the steps: they are the epoch's reads only (the FLOPs,
+    counted once before the first forward on meta tensors, are given here: see COUNTS)."""
+    def syncs(batches):
+        with count_syncs() as calls:
+            fit([LossHook(), LogMetricByStepHook()], data=make_data(8 * batches), epochs=2)
+        return {name: len(sites) for name, sites in calls.items()}
+    assert syncs(3) == syncs(12)
+
+
+def test_tokens_per_second_with_the_per_token_reduction():
+    gpc.destroy()
+    colossal_lite.launch_from_torch(config=dict(grad_reduction="per-token-mean"), seed=0, verbose=False)
+    try:
+        def criterion(logits, y):  # every sample holds 5 real tokens
+            loss = nn.functional.cross_entropy(logits, y, reduction="sum")
+            return loss, torch.tensor(5.0 * y.shape[0])
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        engine, loader, _, _ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), criterion,
+                                                        DataLoader(make_data(), batch_size=8), verbose=False)
+        trainer = Trainer(engine)
+        speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS)
+        trainer.fit(loader, epochs=1, hooks=[speed, LossHook()], log_dir=False)
+    finally:
+        gpc.destroy()
+    h = trainer.history
+    assert h["train/tokens_per_s"][-1] == pytest.approx(5 * h["train/samples_per_s"][-1], rel=1e-6)
+    steps = h["train/tokens_per_s_step"]
+    assert steps == pytest.approx([5 * v for v in h["train/samples_per_s_step"]], rel=1e-5)
+    assert speed.figures.tokens_per_s == pytest.approx(5 * speed.figures.samples_per_s, rel=1e-6)
+
+
+def test_bad_options_say_what_to_give():
+    with pytest.raises(ValueError, match=r"peak_tflops=-1\): give the device's dense peak in TFLOP/s"):
+        SpeedReportHook(peak_tflops=-1)
+    with pytest.raises(ValueError, match=r"flops_per_sample='x'\): give the training FLOPs of one sample"):
+        SpeedReportHook(flops_per_sample="x")
+    with pytest.raises(ValueError, match=r"warmup_steps=-1\): give the optimizer steps to leave out at the start "
+                                         r"of fit as an int >= 0"):
+        SpeedReportHook(warmup_steps=-1)
+
+
+def test_cli_report_of_a_run_without_the_hook_says_how_to_record_one(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "epoch": 0, "name": "train/Loss", "value": 1.0,
+                                                        "time": None}) + "\n")
+    assert cli_main(["report", str(tmp_path)]) == 1
+    assert "run fit with hooks=[SpeedReportHook()] to record one" in capsys.readouterr().err
+
+
+# -- the parts ----------------------------------------------------------------------------------------------------
+def test_timeline_on_the_host_clock_gives_each_phase_its_time():
+    timeline = Timeline(HostClock())
+    timeline.switch("a")
+    time.sleep(0.02)
+    assert timeline.switch("b") == "a"
+    middle = timeline.clock.mark()
+    time.sleep(0.03)
+    timeline.split(middle, "c")  # b ended at ``middle``; c ran since
+    timeline.switch(None)
+    totals = timeline.settle()
+    assert 0.02 <= totals["a"] < 0.2 and totals["b"] < 0.01 and 0.03 <= totals["c"] < 0.2
+    assert timeline.settle() is totals and totals["a"] == totals["a"]  # settled spans are not counted twice
+
+
+def test_causes_are_ranked_with_one_suggestion_each():
+    figures = SpeedFigures(seconds={"communication": 3.0, "forward": 1.0, "backward": 2.0, "hook:EMAHook": 0.5},
+                           steps=10, micro_batches=10, world_size=2, samples_per_s=100.0)
+    causes = rank_causes(figures)
+    assert [c.key for c in causes] == ["communication", "backward", "forward", "hook:EMAHook"]
+    assert causes[0].share == pytest.approx(3.0 / 6.5)
+    assert "gradient_accumulation" in causes[0].suggestion and "bucket_cap_mb" in causes[0].suggestion
+    assert causes[3].suggestion.startswith("EMAHook takes 50 ms per step")
+    text = format_report(figures)
+    assert text.splitlines()[0] == "Speed report: 10 optimizer steps on 2 rank(s), 100 samples/s (50 per rank)"
+
+
+@COUNTS
+def test_the_docs_example_runs_and_names_the_loader(tmp_path, monkeypatch, capsys):
+    from dist_helpers import doc_python_blocks
+
+    (snippet,) = [block for block in doc_python_blocks("docs/throughput.md") if "SpeedReportHook()" in block]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "docs/throughput.md", "exec"), {"__name__": "__main__"})
+    out = capsys.readouterr().out
+    assert "first cause: data" in out and "Speed report: 7 optimizer steps on 1 rank(s)" in out
+    assert cli_main(["report", "run"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].endswith("waiting for data")
+
+
+def test_the_bar_shortens_the_throughput_names():
+    from colossal_lite.trainer.progress import info_candidates
+
+    full, compact = list(info_candidates("10 batch/s", "", {"samples_per_s": 12345.6, "tokens_per_s_per_rank": 3.5}))[:2]
+    assert full == "10 batch/s samples_per_s=12346 tokens_per_s_per_rank=3.5"
+    assert compact == "10 batch/s samples/s=12346 tokens/s/rank=3.5"

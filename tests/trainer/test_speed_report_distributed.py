@@ -1,0 +1,55 @@
+"""The speed report on 2 ranks (one launch): a big model with accumulation 1 is communication-bound, and the
+report says so first; every rank records the same reduced figures, and only rank 0 prints the report."""
+import json
+import textwrap
+
+from dist_helpers import run_torchrun
+
+SCRIPT = textwrap.dedent('''
+    import json, sys
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    import colossal_lite
+    from colossal_lite.core import global_context as gpc
+    from colossal_lite.trainer import Trainer
+    from colossal_lite.trainer.hooks import LossHook, SpeedReportHook
+    from colossal_lite.trainer.speed_report import rank_causes
+    from colossal_lite.utils import get_dataloader
+
+    out_dir = sys.argv[1]
+    colossal_lite.launch_from_torch(config=dict(), verbose=False)
+    rank = gpc.get_global_rank()
+    torch.manual_seed(0)
+    # a big model and one sample per rank: each step's gradient all-reduce moves far more bytes than the
+    # step computes
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)], nn.Linear(1024, 2))
+    data = TensorDataset(torch.randn(8, 1024), torch.randint(0, 2, (8,)))
+    engine, loader, _, _ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                                                    nn.CrossEntropyLoss(), get_dataloader(data, batch_size=1),
+                                                    verbose=False)
+    speed = SpeedReportHook()  # (the CPU's peak measured)
+    trainer = Trainer(engine)
+    trainer.fit(loader, epochs=1, hooks=[speed, LossHook()], log_dir=False)
+    causes = rank_causes(speed.figures)
+    h = trainer.history
+    result = dict(first=causes[0].key, suggestion=causes[0].suggestion, report=speed.report_text,
+                  sps=h["train/samples_per_s"], per_rank=h["train/samples_per_s_per_rank"],
+                  comm=h["train/time/communication"], world=speed.figures.world_size, steps=speed.figures.steps)
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+''')
+
+
+def test_two_ranks_big_model_accumulation_1_is_named_communication_bound(tmp_path):
+    script = tmp_path / "speed_two_ranks.py"
+    script.write_text(SCRIPT)
+    proc = run_torchrun(script, [tmp_path], nproc=2, timeout=180)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["first"] == "communication", ranks[0]["report"]
+    assert "gradient_accumulation" in ranks[0]["suggestion"] and "ZeRO" in ranks[0]["suggestion"]
+    for key in ("sps", "per_rank", "comm", "first"):
+        assert ranks[0][key] == ranks[1][key], key  # the figures are reduced over the ranks
+    assert ranks[0]["world"] == 2 and ranks[0]["steps"] == 3  # (4 steps, the first one the warm-up)
+    assert ranks[0]["sps"][0] == 2 * ranks[0]["per_rank"][0]
+    assert proc.stdout.count("Speed report: 3 optimizer steps on 2 rank(s)") == 1  # rank 0 only
