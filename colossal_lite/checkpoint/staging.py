@@ -67,8 +67,8 @@ class HostStage:
         if seen is not None:
             return seen  # one tensor stored twice (tied weights) stays one tensor in the file
         t = t.detach()
-        if t.layout is not torch.strided or t.is_quantized or t.is_meta:
-            out = t.to("cpu", copy=True)
+        if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_quantized or t.is_meta:
+            out = t.to("cpu", copy=True)  # a subclass (DTensor), sparse or quantized: a plain copy of its own kind
         else:
             out = self._buffer_for(t)
             out.copy_(t, non_blocking=out.is_pinned())
