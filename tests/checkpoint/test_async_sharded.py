@@ -1,6 +1,7 @@
 """Asynchronous ZeRO stage 3 saves on two ranks: the sharded files are written in the background on a process
 group of their own while training goes on, and the checkpoint equals, tensor for tensor, the synchronous
-save taken at the same step (the comparison reads both folders in this process, ``merge``). In the same
+save taken at the same step (the comparison reads both folders in this process, ``merge``); a step boundary
+runs one small all-reduce while a save is in flight and none otherwise (counted). In the same
 launch, ``fit`` with ``SaveCheckpointHook(async_save=True)`` ends with the parameters of the synchronous
 run, and so does a run resumed from one of its checkpoints."""
 from pathlib import Path
@@ -35,15 +36,32 @@ def train(part):
 
 batches = make_batches(9, b=8)
 sync, background = CheckpointManager(root + "/sync"), CheckpointManager(root + "/async", async_save=True)
+all_reduces, real_all_reduce = [], torch.distributed.all_reduce
+
+def counted_all_reduce(*args, **kwargs):  # the real collective, counted
+    all_reduces.append(1)
+    return real_all_reduce(*args, **kwargs)
+
+def poll():
+    """A step boundary; the all-reduces it ran."""
+    before = len(all_reduces)
+    background.poll()
+    return len(all_reduces) - before
+
+torch.distributed.all_reduce = counted_all_reduce
+per_poll = []
 for k in range(3):
     train(batches[3 * k:3 * k + 3])
     name = f"epoch0-step{{3 * k + 3}}"
     sync.save(name, {{"engine": engine.state_dict_without_shards()}}, {{}}, sharded_state=engine.sharded_state_dict())
     background.save(name, {{"engine": engine.state_dict_without_shards()}}, {{}},
                     sharded_state=engine.sharded_state_dict())
-    background.poll()  # a step boundary: completes it when every rank is done, else a later save waits
+    per_poll.append(poll())  # completes it when every rank is done, else a later save waits for it
 background.wait()
+idle = poll()  # nothing in flight: no collective
+torch.distributed.all_reduce = real_all_reduce
 print(f"rank{{rank}} saves {{[t.step for t in background.finished_saves]}}\n", end="", flush=True)
+print(f"rank{{rank}} all-reduces per poll in flight {{sorted(set(per_poll))}}, idle {{idle}}\n", end="", flush=True)
 
 # the Trainer: asynchronous saves under zero 3 against synchronous ones, and a resume from one of them
 from torch.utils.data import TensorDataset
@@ -91,6 +109,10 @@ def test_async_zero3_saves_equal_the_synchronous_ones(tmp_path):
     for r in (0, 1):
         assert f"rank{r} saves [3, 6, 9]" in proc.stdout, proc.stdout + proc.stderr
         assert f"rank{r} trainer equal [True, True]" in proc.stdout, proc.stdout + proc.stderr
+        # one all-reduce of one number per step boundary while a save is in flight (two when that boundary finds
+        # every file written and hands the folder to rank 0), none without one
+        line = next(x for x in proc.stdout.splitlines() if x.startswith(f"rank{r} all-reduces"))
+        assert line.endswith("idle 0") and line.split("in flight ")[1].split("]")[0] + "]" in ("[1]", "[2]", "[1, 2]")
     assert sorted(p.name for p in (tmp_path / "t-async").iterdir()) == \
         sorted(p.name for p in (tmp_path / "t-sync").iterdir())
     for step in (3, 6, 9):
