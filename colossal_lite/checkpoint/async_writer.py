@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..core import dist as cl_dist
 from .io import fsync_dir
@@ -104,6 +105,7 @@ class AsyncSaves:
         self.in_flight: Optional[_InFlight] = None
         self.completed = completed
         self._group = None  # the process group of the background sharded writes
+        self._flags = None  # a gloo group for the step boundaries' question "is every rank done?": no device sync
 
     # seconds an error in training waits for this rank's files with several ranks: a sharded write in flight
     # may be waiting for a rank that has gone
@@ -117,6 +119,8 @@ class AsyncSaves:
         the caller began gathering the state (its blocking time counts from there; default: now).
         """
         started = time.perf_counter() if started_at is None else started_at
+        if self._flags is None and cl_dist.world_size() > 1:
+            self._flags = dist.new_group(backend="gloo")
         waited = self.wait(charge=False) if self.in_flight is not None else 0.0
         job = begin(self.stage.copy)
         sharded = self._start_sharded(job, sharded_state) if sharded_state is not None else None
@@ -127,7 +131,6 @@ class AsyncSaves:
     def _start_sharded(self, job: FolderWrite, state: Dict[str, Any]):
         """Stage the sharded state now and let torch.distributed.checkpoint write it on a group of its own.
         Collective: a rank that cannot start it raises on every rank."""
-        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         if self._group is None and dist.is_available() and dist.is_initialized():
@@ -144,16 +147,17 @@ class AsyncSaves:
 
     def poll(self) -> bool:
         """At a step boundary: move the save in flight on when every rank has finished its part. Collective with
-        several ranks while a save is in flight (one all-reduce of one number); True when its folder completed."""
+        several ranks while a save is in flight (one all-reduce of one number on a gloo group, so no device
+        sync); True when its folder completed."""
         flight = self.in_flight
         if flight is None:
             return False
         began = time.perf_counter()
-        if _any_rank(flight.busy()):
+        if _any_rank(flight.busy(), self._flags):
             return False
         if not flight.committing:
             self._agree_written(flight)
-            if _any_rank(flight.busy()):
+            if _any_rank(flight.busy(), self._flags):
                 flight.blocking += time.perf_counter() - began
                 return False
         self._finish(flight, began)
@@ -220,9 +224,10 @@ class AsyncSaves:
         return flight.job.target
 
 
-def _any_rank(flag: bool) -> bool:
-    """True when ``flag`` is true on any rank (one all-reduce with several ranks)."""
+def _any_rank(flag: bool, group) -> bool:
+    """True when ``flag`` is true on any rank (one all-reduce on the CPU group ``group`` with several ranks)."""
     if cl_dist.world_size() == 1:
         return flag
-    box = torch.tensor([float(flag)], device=cl_dist.collective_device())
-    return bool(cl_dist.all_reduce_max_(box).item())
+    box = torch.tensor([float(flag)])
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
+    return bool(box.item())
