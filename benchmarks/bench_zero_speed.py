@@ -1,12 +1,12 @@
 """Time per update of DDP and ZeRO 1/2/3 through colossal_lite against the hand-written loop of each, on 2 ranks.
 
-Run: python benchmarks/bench_zero_speed.py [--models gpt2,resnet] [--precisions fp32,bf16] [--rounds 7]
-                                           [--steps 3] [--nproc 2]
+Run: python benchmarks/bench_zero_speed.py [--models gpt2,resnet] [--precisions fp32,bf16] [--rounds 6]
+                                           [--steps 2] [--nproc 2] [--glibc-malloc]
 
 Workloads (CPU, gloo on 127.0.0.1, one thread per rank, AdamW, no clipping, no accumulation):
 - ``gpt2``: a Hugging Face ``GPT2LMHeadModel`` (4 blocks, width 128, 4 heads, vocabulary 1024), sequences of 64
   tokens, 4 per rank; a thin wrapper returns the logits, so the library finds the blocks through the wrapper.
-- ``resnet``: torchvision ``resnet18`` (10 classes) on 32x32 images, 8 per rank.
+- ``resnet``: torchvision ``resnet18`` (10 classes) on 32x32 images, 4 per rank.
 
 The hand-written loops are what the FSDP2 / DDP documentation says to write: ``DDP(model)`` (torch's defaults);
 ZeRO 1 = ``DDP(model, gradient_as_bucket_view=True)`` with ``ZeroRedundancyOptimizer``; ZeRO 2/3 = ``fully_shard``
@@ -21,6 +21,11 @@ of every contestant in turn (hand and library of one kind back to back, their or
 a barrier. Reported: the median over rounds of each contestant's ms per update, and the median over rounds of the
 library / hand ratio of the same round (the largest rank's time). Target: ratio <= 1.05. The machine is shared:
 other processes' load shows as noise in every figure.
+
+The hand loops share their processes with the library, so on the CPU they run under ZeRO's ``mallopt`` setting
+too (it is process-wide, set by the first ZeRO contestant). ``--glibc-malloc`` runs everything under glibc's own
+allocator settings (the library leaves them alone when a ``glibc.malloc`` tunable is set, and
+``glibc.malloc.check=0`` is glibc's default): comparing the two runs shows what the setting costs in time.
 """
 from __future__ import annotations
 
@@ -78,7 +83,7 @@ def batch(name: str, rank: int):
 
     g = torch.Generator().manual_seed(rank)
     if name == "resnet":
-        return torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+        return torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
     ids = torch.randint(0, 1024, (4, 65), generator=g)
     return ids[:, :-1], ids[:, 1:]
 
@@ -212,6 +217,8 @@ def launch(args) -> list:
            f"--master_port={port}", __file__, "--models", args.models, "--precisions", args.precisions,
            "--rounds", str(args.rounds), "--steps", str(args.steps)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if args.glibc_malloc:
+        env["GLIBC_TUNABLES"] = "glibc.malloc.check=0"
     with tempfile.TemporaryDirectory() as out:
         proc = subprocess.run(cmd + ["--out", out], env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
@@ -242,9 +249,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,resnet")
     parser.add_argument("--precisions", default="fp32,bf16")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (medians are reported)")
-    parser.add_argument("--steps", type=int, default=3, help="updates per contestant per round")
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds (medians are reported)")
+    parser.add_argument("--steps", type=int, default=2, help="updates per contestant per round")
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--glibc-malloc", action="store_true", help="without ZeRO's mallopt setting")
     parser.add_argument("--out", help=argparse.SUPPRESS)  # the folder the ranks write their results to
     args = parser.parse_args()
     if "RANK" in os.environ:
@@ -252,7 +260,9 @@ def main():
         return
     start = time.perf_counter()
     ok = report(launch(args))
-    print(f"{args.nproc} ranks, gloo, CPU, {args.rounds} rounds x {args.steps} updates; {time.perf_counter() - start:.0f} s")
+    malloc = "glibc default" if args.glibc_malloc else "as ZeRO sets it"
+    print(f"{args.nproc} ranks, gloo, CPU, {args.rounds} rounds x {args.steps} updates, malloc {malloc}; "
+          f"{time.perf_counter() - start:.0f} s")
     sys.exit(0 if ok else 1)
 
 
