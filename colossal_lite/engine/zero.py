@@ -139,6 +139,8 @@ class FSDPStrategy(SingleProcess):
         self.stage = stage
         self.shard_modules = list(shard_modules) if shard_modules else None
         self.offload = offload_optimizer
+        # stage 3 frees each unit's gathered parameters after its forward and gathers them again for its backward
+        # (parameter memory of one unit at a time); stage 2 keeps them to the backward, one all-gather per unit
         self.reshard = (stage == 3) if reshard_after_forward is None else reshard_after_forward
         self.param_dtype = param_dtype
         self.name = f"ZeRO stage {stage} (FSDP2 fully_shard)"
@@ -156,6 +158,7 @@ class FSDPStrategy(SingleProcess):
         norms = statistics_norms(model) if self.param_dtype is not None else []
         if norms:  # one full-precision unit for all of them, sharded first so the blocks leave their parameters
             fully_shard(norms, **self._shard_options(None))
+            units = [u for u in units if not any(u is n for n in norms)]
         for unit in units:
             fully_shard(unit, **self._shard_options(self.param_dtype))
         fully_shard(model, **self._shard_options(self.param_dtype))
