@@ -1,7 +1,7 @@
 """Time per update of DDP and ZeRO 1/2/3 through colossal_lite against the hand-written loop of each, on 2 ranks.
 
-Run: python benchmarks/bench_zero_speed.py [--models gpt2,resnet] [--precisions fp32,bf16] [--rounds 6]
-                                           [--steps 2] [--nproc 2] [--glibc-malloc]
+Run: python benchmarks/bench_zero_speed.py [--models gpt2,resnet] [--precisions fp32,bf16] [--rounds 8]
+                                           [--steps 1] [--nproc 2] [--glibc-malloc]
 
 Workloads (CPU, gloo on 127.0.0.1, one thread per rank, AdamW, no clipping, no accumulation):
 - ``gpt2``: a Hugging Face ``GPT2LMHeadModel`` (4 blocks, width 128, 4 heads, vocabulary 1024), sequences of 64
@@ -16,9 +16,9 @@ bf16 a ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and the Bat
 loss under bf16. The library runs ``initialize`` with ``zero=dict(stage=N)`` (and ``fp16=dict(mode=AMP_TYPE.BF16)``)
 and the engine loop. Before timing, each pair trains two steps and must hold the same parameters (``torch.equal``).
 
-How it is timed: all 16 contestants of a workload live in one 2-rank launch; each round times ``--steps`` updates
-of every contestant in turn (hand and library of one kind back to back, their order alternating by round), after
-a barrier. Reported: the median over rounds of each contestant's ms per update, and the median over rounds of the
+How it is timed: the 8 contestants of a workload live in one 2-rank launch; in each round every kind runs
+``--steps`` updates of hand, library, library, hand (the next round library, hand, hand, library), each after a
+barrier. Reported: the median over rounds of each contestant's ms per update, and the median over rounds of the
 library / hand ratio of the same round (the largest rank's time). Target: ratio <= 1.05. The machine is shared:
 other processes' load shows as noise in every figure.
 
@@ -173,19 +173,23 @@ def contestants(name: str, prec: str, rank: int):
 
 
 def time_rounds(steps: dict, rounds: int, per_round: int) -> dict:
-    """ms per update of each contestant in each round, interleaved."""
+    """ms per update of each contestant in each round: per kind, hand-library-library-hand in one round and
+    library-hand-hand-library in the next, so a drift of the machine's load weighs on both sides alike."""
     import torch.distributed as dist
 
     times = {key: [] for key in steps}
     for r in range(rounds):
         for kind in KINDS:
-            sides = ("hand", "lib") if r % 2 == 0 else ("lib", "hand")
-            for side in sides:
+            order = ("hand", "lib", "lib", "hand") if r % 2 == 0 else ("lib", "hand", "hand", "lib")
+            spent = {"hand": 0.0, "lib": 0.0}
+            for side in order:
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(per_round):
                     steps[kind, side]()
-                times[kind, side].append((time.perf_counter() - t0) / per_round * 1e3)
+                spent[side] += time.perf_counter() - t0
+            for side, seconds in spent.items():
+                times[kind, side].append(seconds / (2 * per_round) * 1e3)
     return {f"{k}/{s}": v for (k, s), v in times.items()}
 
 
@@ -249,8 +253,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,resnet")
     parser.add_argument("--precisions", default="fp32,bf16")
-    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds (medians are reported)")
-    parser.add_argument("--steps", type=int, default=2, help="updates per contestant per round")
+    parser.add_argument("--rounds", type=int, default=8, help="interleaved rounds (medians are reported)")
+    parser.add_argument("--steps", type=int, default=1, help="updates per contestant per round")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--glibc-malloc", action="store_true", help="without ZeRO's mallopt setting")
     parser.add_argument("--out", help=argparse.SUPPRESS)  # the folder the ranks write their results to
