@@ -1,6 +1,7 @@
 """Per-rank memory under DDP and ZeRO 1/2/3: peak process memory as the user sees it, next to tensor bytes.
 
 Run: python benchmarks/bench_zero_memory.py [--nproc 2] [--runs 3] [--hidden 1536] [--layers 11] [--batch 8]
+                                            [--glibc-malloc]
 
 Each configuration runs in its own 2-rank torchrun launch (gloo on 127.0.0.1), ``--runs`` times, and the figures
 are medians over the runs of the largest rank's value. The model is ``--layers`` x (Linear(hidden, hidden) + Tanh)
@@ -12,6 +13,9 @@ way a user script does (its ``model`` and ``optimizer`` stay referenced).
   on CUDA ``torch.cuda.max_memory_allocated`` is reported as well.
 - tensor MiB: bytes of this rank's parameters, gradients and optimizer state after the last step.
 - step ms: median time of the steps after the measured ones.
+
+``--glibc-malloc`` leaves glibc's allocator as it is (the library keeps its hands off when a ``glibc.malloc``
+tunable is set; ``glibc.malloc.check=0`` is glibc's default), to see what ZeRO's ``mallopt`` setting changes.
 
 Targets (peak growth relative to DDP in the same run): stage 1 <= 0.85x, stage 2 <= 0.70x, stage 3 <= 0.60x,
 and flat across the steps after the first (the optimizer state is created at the end of step 1, so step 2 is the
@@ -120,6 +124,8 @@ def launch(args, config: str) -> list:
            str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps), "--time-steps",
            str(args.time_steps)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if args.glibc_malloc:
+        env["GLIBC_TUNABLES"] = "glibc.malloc.check=0"
     with tempfile.TemporaryDirectory() as out:
         proc = subprocess.run(cmd + ["--out", out], env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
@@ -146,7 +152,7 @@ def report(args, rows: dict) -> bool:
     base = rows["ddp"]
     print(f"world size {args.nproc}, model {base['n_params']:,} parameters ({args.layers} x Linear({args.hidden}, "
           f"{args.hidden}) + Tanh, Linear({args.hidden}, 10)), Adam, batch {args.batch} per rank; medians of "
-          f"{args.runs} runs of the largest rank")
+          f"{args.runs} runs of the largest rank; malloc: {'glibc default' if args.glibc_malloc else 'as ZeRO sets it'}")
     cuda = base["cuda"] is not None
     print(f"{'':7}{'tensor MiB':>11}{'x DDP':>7}{'peak RSS growth MiB':>21}{'x DDP':>7}"
           f"{'  peak growth after each step, MiB':<40}" + (f"{'CUDA peak MiB':>15}{'x DDP':>7}" if cuda else "")
@@ -180,6 +186,7 @@ def main():
     parser.add_argument("--batch", type=int, default=8, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=4, help="steps whose peak memory is measured")
     parser.add_argument("--time-steps", type=int, default=3, help="timed steps after the measured ones")
+    parser.add_argument("--glibc-malloc", action="store_true", help="without ZeRO's mallopt setting")
     parser.add_argument("--config", choices=sorted(CONFIGS), help=argparse.SUPPRESS)  # set in the ranks
     parser.add_argument("--out", help=argparse.SUPPRESS)  # the folder the ranks write their results to
     args = parser.parse_args()

@@ -133,17 +133,16 @@ NORMS = (nn.BatchNorm1d,)
 
 
 def _hand_fsdp(model, stage: int, param_dtype):
-    """FSDP2 as the user shards it: each block, the root; under low precision BatchNorm keeps fp32 parameters
-    (its running statistics are fp32 buffers FSDP2 does not cast) as a unit of its own."""
+    """FSDP2 as the user shards it: each block, then the root (the head stays in the root's unit); under low
+    precision the BatchNorm layers are one unit that keeps fp32 parameters (their running statistics are fp32
+    buffers FSDP2 does not cast, and ``batch_norm`` refuses bf16 weights next to them)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     reshard = stage == 3
     low = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     if param_dtype is not None:
-        for m in model.modules():
-            if isinstance(m, NORMS):
-                fully_shard(m, reshard_after_forward=reshard)
-    for block in model:
+        fully_shard([m for m in model.modules() if isinstance(m, NORMS)], reshard_after_forward=reshard)
+    for block in model[:-1]:
         fully_shard(block, reshard_after_forward=reshard, mp_policy=low)
     fully_shard(model, reshard_after_forward=reshard, mp_policy=low)
     return model

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..checkpoint.model_state import check_model_state
 from ..core.dist import broadcast_object, is_rank_0
+from .fsdp_units import block_units, statistics_norms
 from .strategy import DDPStrategy, SingleProcess
 
 # glibc mallopt parameters (malloc.h) and the size from which freed host memory goes straight back to the system
@@ -128,22 +129,6 @@ class ZeroStage1Strategy(DDPStrategy):
         return broadcast_object(optimizer.state_dict() if is_rank_0() else None)
 
 
-def default_shard_modules(model: nn.Module) -> List[nn.Module]:
-    """Sharding units when none are named: the children of the largest ``nn.ModuleList``/``Sequential`` (the
-    repeated blocks), else the direct children that hold parameters."""
-    best: Optional[Sequence[nn.Module]] = None
-    for m in model.modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
-            if best is None or len(m) > len(best):
-                best = m
-    units = list(best) if best is not None else list(model.children())
-    return [u for u in units if any(True for _ in u.parameters())]
-
-
-# normalisation layers, kept in fp32 under bf16/fp16 (as autocast keeps them)
-NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
-
-
 class FSDPStrategy(SingleProcess):
     """FSDP2: gradients and optimizer state sharded (stage 2), parameters too (stage 3)."""
 
@@ -154,6 +139,8 @@ class FSDPStrategy(SingleProcess):
         self.stage = stage
         self.shard_modules = list(shard_modules) if shard_modules else None
         self.offload = offload_optimizer
+        # stage 3 frees each unit's gathered parameters after its forward and gathers them again for its backward
+        # (parameter memory of one unit at a time); stage 2 keeps them to the backward, one all-gather per unit
         self.reshard = (stage == 3) if reshard_after_forward is None else reshard_after_forward
         self.param_dtype = param_dtype
         self.name = f"ZeRO stage {stage} (FSDP2 fully_shard)"
@@ -167,17 +154,10 @@ class FSDPStrategy(SingleProcess):
         if _on_cpu(model):
             return_large_frees_to_the_system()
         group_names = _group_param_names(model, optimizer)
-        units = self._units(model)
-        if self.param_dtype is not None:
-            # Normalisation layers become units of their own that keep fp32 parameters, the way autocast keeps them
-            # for DDP: BatchNorm's running statistics are buffers FSDP2 never casts, and batch_norm refuses
-            # low-precision weights next to fp32 statistics; LayerNorm/GroupNorm would lose their weights' precision.
-            # Every other parameter is still gathered in the low precision (half the all-gather traffic and unsharded
-            # memory of fp32 gathering left to autocast); norm layers hold a tiny share of the parameters.
-            norms = [m for m in model.modules() if isinstance(m, NORM_LAYERS) and m is not model
-                     and any(True for _ in m.parameters(recurse=False))]
-            for norm in norms:
-                fully_shard(norm, **self._shard_options(None))
+        units = block_units(model, self.shard_modules)
+        norms = statistics_norms(model) if self.param_dtype is not None else []
+        if norms:  # one full-precision unit for all of them, sharded first so the blocks leave their parameters
+            fully_shard(norms, **self._shard_options(None))
             units = [u for u in units if not any(u is n for n in norms)]
         for unit in units:
             fully_shard(unit, **self._shard_options(self.param_dtype))
@@ -195,19 +175,6 @@ class FSDPStrategy(SingleProcess):
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.offload else OffloadPolicy()
         return dict(reshard_after_forward=self.reshard, offload_policy=offload,
                     mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
-
-    def _units(self, model: nn.Module) -> List[nn.Module]:
-        """The sharding units: modules of the classes named in ``zero.shard_modules``, else the default ones."""
-        if not self.shard_modules:
-            return default_shard_modules(model)
-        wanted = set(self.shard_modules)
-        units = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
-        missing = wanted - {type(m).__name__ for m in units}
-        if missing:
-            present = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(f"zero.shard_modules names {sorted(missing)}, which are not module classes of the model; "
-                             f"the model has: {', '.join(present)}")
-        return units
 
     def set_gradient_sync(self, model, sync):
         # FSDP2 reads the flag in its post-backward hooks; setting it walks every module, so only on a change

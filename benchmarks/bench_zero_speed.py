@@ -1,0 +1,274 @@
+"""Time per update of DDP and ZeRO 1/2/3 through colossal_lite against the hand-written loop of each, on 2 ranks.
+
+Run: python benchmarks/bench_zero_speed.py [--models gpt2,resnet] [--precisions fp32,bf16] [--rounds 8]
+                                           [--steps 1] [--nproc 2] [--glibc-malloc]
+
+Workloads (CPU, gloo on 127.0.0.1, one thread per rank, AdamW, no clipping, no accumulation):
+- ``gpt2``: a Hugging Face ``GPT2LMHeadModel`` (4 blocks, width 128, 4 heads, vocabulary 1024), sequences of 64
+  tokens, 4 per rank; a thin wrapper returns the logits, so the library finds the blocks through the wrapper.
+- ``resnet``: torchvision ``resnet18`` (10 classes) on 32x32 images, 4 per rank.
+
+The hand-written loops are what the FSDP2 / DDP documentation says to write: ``DDP(model)`` (torch's defaults);
+ZeRO 1 = ``DDP(model, gradient_as_bucket_view=True)`` with ``ZeroRedundancyOptimizer``; ZeRO 2/3 = ``fully_shard``
+on each block (``GPT2Block``, ``BasicBlock``) and the root with ``reshard_after_forward`` False / True, under
+bf16 a ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and the BatchNorm layers as one fp32 unit
+(``batch_norm`` refuses bf16 weights next to its fp32 running statistics); ``torch.autocast`` around forward and
+loss under bf16. The library runs ``initialize`` with ``zero=dict(stage=N)`` (and ``fp16=dict(mode=AMP_TYPE.BF16)``)
+and the engine loop. Before timing, each pair trains two steps and must hold the same parameters (``torch.equal``).
+
+How it is timed: the 8 contestants of a workload live in one 2-rank launch; in each round every kind runs
+``--steps`` updates of hand, library, library, hand (the next round library, hand, hand, library), each after a
+barrier. Reported: the median over rounds of each contestant's ms per update, and the median over rounds of the
+library / hand ratio of the same round (the largest rank's time). Target: ratio <= 1.05. The machine is shared:
+other processes' load shows as noise in every figure.
+
+The hand loops share their processes with the library, so on the CPU they run under ZeRO's ``mallopt`` setting
+too (it is process-wide, set by the first ZeRO contestant). ``--glibc-malloc`` runs everything under glibc's own
+allocator settings (the library leaves them alone when a ``glibc.malloc`` tunable is set, and
+``glibc.malloc.check=0`` is glibc's default): comparing the two runs shows what the setting costs in time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+KINDS = ("ddp", "zero1", "zero2", "zero3")
+TARGET = 1.05
+
+
+def build_model(name: str):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if name == "resnet":
+        import torchvision
+
+        return torchvision.models.resnet18(num_classes=10), "BasicBlock"
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=1024, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt = transformers.GPT2LMHeadModel(config)
+
+        def forward(self, ids):
+            return self.gpt(input_ids=ids).logits
+
+    return LM(), "GPT2Block"
+
+
+def criterion():
+    import torch
+
+    class TokenLoss(torch.nn.Module):
+        def forward(self, logits, target):
+            return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+
+    return TokenLoss()
+
+
+def batch(name: str, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+    if name == "resnet":
+        return torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
+    ids = torch.randint(0, 1024, (4, 65), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def hand_setup(kind: str, model, block: str, dtype):
+    """The hand-written wrapping of ``kind`` -> (model, optimizer)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if kind in ("ddp", "zero1"):
+        model = DDP(model, gradient_as_bucket_view=kind == "zero1")
+        if kind == "ddp":
+            return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+    reshard = kind == "zero3"
+    if dtype is not None:
+        norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+        if norms:
+            fully_shard(norms, reshard_after_forward=reshard)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
+    for m in model.modules():
+        if type(m).__name__ == block:
+            fully_shard(m, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def hand_step(model, optimizer, loss_fn, dtype, x, y):
+    import torch
+
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    optimizer.step()
+
+
+def library_setup(kind: str, model, prec: str):
+    import torch
+
+    import colossal_lite
+    from colossal_lite.amp import AMP_TYPE
+    from colossal_lite.core import global_context as gpc
+
+    config = {} if kind == "ddp" else dict(zero=dict(stage=int(kind[-1])))
+    if prec == "bf16":
+        config["fp16"] = dict(mode=AMP_TYPE.BF16)
+    gpc.load_config(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return colossal_lite.initialize(model, optimizer, criterion(), verbose=False)[0]
+
+
+def library_step(engine, x, y):
+    engine.zero_grad()
+    engine.backward(engine.criterion(engine(x), y))
+    engine.step()
+
+
+def contestants(name: str, prec: str, rank: int):
+    """{(kind, side): one update} for every kind, hand and library, after checking each pair trains alike."""
+    import torch
+
+    from colossal_lite.checkpoint.model_state import unwrap_module
+
+    dtype = torch.bfloat16 if prec == "bf16" else None
+    x, y = batch(name, rank)
+    loss_fn = criterion()
+    steps = {}
+    for kind in KINDS:
+        model, block = build_model(name)
+        hand_model, optimizer = hand_setup(kind, model, block, dtype)
+        steps[kind, "hand"] = lambda m=hand_model, o=optimizer: hand_step(m, o, loss_fn, dtype, x, y)
+        engine = library_setup(kind, build_model(name)[0], prec)
+        steps[kind, "lib"] = lambda e=engine: library_step(e, x, y)
+        for _ in range(2):
+            steps[kind, "hand"]()
+            steps[kind, "lib"]()
+        hand_state = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in
+                      unwrap_module(hand_model).state_dict().items()}
+        lib_state = engine.state_dict()["model"]
+        differ = [k for k in hand_state if not torch.equal(hand_state[k], lib_state[k])]
+        if differ:
+            raise SystemExit(f"{name}/{prec}/{kind}: the library trained differently from the hand loop: {differ[:5]}")
+    return steps
+
+
+def time_rounds(steps: dict, rounds: int, per_round: int) -> dict:
+    """ms per update of each contestant in each round: per kind, hand-library-library-hand in one round and
+    library-hand-hand-library in the next, so a drift of the machine's load weighs on both sides alike."""
+    import torch.distributed as dist
+
+    times = {key: [] for key in steps}
+    for r in range(rounds):
+        for kind in KINDS:
+            order = ("hand", "lib", "lib", "hand") if r % 2 == 0 else ("lib", "hand", "hand", "lib")
+            spent = {"hand": 0.0, "lib": 0.0}
+            for side in order:
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(per_round):
+                    steps[kind, side]()
+                spent[side] += time.perf_counter() - t0
+            for side, seconds in spent.items():
+                times[kind, side].append(seconds / (2 * per_round) * 1e3)
+    return {f"{k}/{s}": v for (k, s), v in times.items()}
+
+
+def worker(args):
+    import torch
+
+    import colossal_lite
+    from colossal_lite.core import global_context as gpc
+
+    torch.set_num_threads(1)
+    colossal_lite.launch_from_torch(config={}, verbose=False)
+    rank = gpc.get_global_rank()
+    results = {}
+    for name in args.models.split(","):
+        for prec in args.precisions.split(","):
+            steps = contestants(name, prec, rank)
+            results[f"{name}/{prec}"] = time_rounds(steps, args.rounds, args.steps)
+            del steps
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    gpc.destroy()
+
+
+def launch(args) -> list:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={port}", __file__, "--models", args.models, "--precisions", args.precisions,
+           "--rounds", str(args.rounds), "--steps", str(args.steps)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if args.glibc_malloc:
+        env["GLIBC_TUNABLES"] = "glibc.malloc.check=0"
+    with tempfile.TemporaryDirectory() as out:
+        proc = subprocess.run(cmd + ["--out", out], env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            sys.exit(f"torchrun exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        ranks = []
+        for rank in range(args.nproc):
+            with open(os.path.join(out, f"rank{rank}.json")) as f:
+                ranks.append(json.load(f))
+    return ranks
+
+
+def report(ranks: list) -> bool:
+    """One line per workload and kind: medians of the largest rank's ms per update, median paired ratio."""
+    ok = True
+    print(f"{'workload':14}{'kind':7}{'hand ms':>9}{'lib ms':>9}{'lib/hand':>10}  (median of per-round ratios)")
+    for workload in ranks[0]:
+        for kind in KINDS:
+            hand = [max(vals) for vals in zip(*(r[workload][f"{kind}/hand"] for r in ranks))]
+            lib = [max(vals) for vals in zip(*(r[workload][f"{kind}/lib"] for r in ranks))]
+            ratio = statistics.median(b / a for a, b in zip(hand, lib))
+            ok = ok and ratio <= TARGET
+            print(f"{workload:14}{kind:7}{statistics.median(hand):9.1f}{statistics.median(lib):9.1f}{ratio:10.3f}"
+                  f"  {'PASS' if ratio <= TARGET else 'FAIL'} (target <= {TARGET})")
+    return ok
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt2,resnet")
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--rounds", type=int, default=8, help="interleaved rounds (medians are reported)")
+    parser.add_argument("--steps", type=int, default=1, help="updates per contestant per round")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--glibc-malloc", action="store_true", help="without ZeRO's mallopt setting")
+    parser.add_argument("--out", help=argparse.SUPPRESS)  # the folder the ranks write their results to
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return
+    start = time.perf_counter()
+    ok = report(launch(args))
+    malloc = "glibc default" if args.glibc_malloc else "as ZeRO sets it"
+    print(f"{args.nproc} ranks, gloo, CPU, {args.rounds} rounds x {args.steps} updates, malloc {malloc}; "
+          f"{time.perf_counter() - start:.0f} s")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
