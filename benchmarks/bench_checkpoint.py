@@ -6,10 +6,15 @@
    - ``save_trainer_checkpoint``: state gathering, the ``on_save_checkpoint`` event, the atomic folder
      write with fsyncs, the ``last`` pointer, retention (keep_last_n=1);
    - ``torch.save`` of the same (shared, per-rank) state to one file, without and with fsync;
+   - ``save_trainer_checkpoint`` with ``CheckpointManager(async_save=True)``: the time training is blocked
+     (the host copy, and the completion at a later step boundary: agreement, ``meta.json``, rename,
+     ``last``, retention) and the time until the folder is complete. Between the two, the round waits
+     for the background write outside the timed part, as training would go on;
    - ``load_trainer_checkpoint``: read with ``weights_only=True`` and restore into the engine,
      the scheduler, the trainer, the loader and the RNG; ``CheckpointManager.load`` (read only);
-   - ``torch.load(weights_only=True)`` of the single file.
+   - ``torch.load(weights_only=True)`` of the single file, and of the checkpoint's own ``shared.pt``.
    The files stay in the page cache, so the loads measure deserialisation, not the disk.
+   Peak memory of a load: each kind of load once in a fresh process (``ru_maxrss`` after minus before).
 
 2. Resume. A loader of ``--samples`` samples (batch 64): ``fit(resume_from=...)`` from a checkpoint
    taken after the epoch's 1st batch and from one taken 2 batches before its end; the time from the
@@ -46,7 +51,8 @@ from colossal_lite.trainer.checkpointing import (
 from colossal_lite.trainer.hooks import BaseHook, LossHook, LRSchedulerHook, SaveCheckpointHook
 from colossal_lite.utils import get_dataloader
 
-QUIET = logging.getLogger("bench_checkpoint")  # no handler: the resume messages are not printed
+QUIET = logging.getLogger("bench_checkpoint")
+SYNC_SAVE = "save_trainer_checkpoint (atomic folder, fsync, retention)"  # no handler: the resume messages are not printed
 
 
 class Vectors(Dataset):
@@ -97,6 +103,7 @@ def bench_save_load(layers: int, width: int, rounds: int, root: Path) -> None:
     trainer._attach([LossHook(), LRSchedulerHook(sched, by_epoch=False)], "benchmark")  # hooks as in a run
 
     manager = CheckpointManager(root / "ck", keep_last_n=1)
+    background = CheckpointManager(root / "ck-async", keep_last_n=1, async_save=True)
     shared, rank_state, _ = trainer_checkpoint_state(trainer, loader)
     single = root / "plain.pt"
     paths: Dict[str, Path] = {}
@@ -113,20 +120,66 @@ def bench_save_load(layers: int, width: int, rounds: int, root: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    saves = interleaved({"save_trainer_checkpoint (atomic folder, fsync, retention)": trainer_save,
+    def async_save():  # timed from outside: its blocking part is measured by the manager
+        save_trainer_checkpoint(trainer, background, loader)
+        while not background.poll():  # step boundaries of a training that goes on meanwhile
+            time.sleep(0.005)
+
+    saves = interleaved({SYNC_SAVE: trainer_save,
+                         "async_save=True, until the folder is complete": async_save,
                          "torch.save, one file, no fsync": plain_save,
                          "torch.save + fsync": plain_save_fsync}, rounds)
+    saves["async_save=True, training blocked"] = [t.blocking for t in background.finished_saves]
     size = sum(p.stat().st_size for p in paths["last"].rglob("*") if p.is_file())
+    shared_file = paths["last"] / "shared.pt"
     loads = interleaved({"load_trainer_checkpoint (read + restore into the run)":
                          lambda: load_trainer_checkpoint(trainer, manager, paths["last"], loader),
-                         "CheckpointManager.load (read only)": lambda: manager.load(paths["last"]),
+                         "CheckpointManager.load (read only, verified)": lambda: manager.load(paths["last"]),
+                         "torch.load(weights_only=True) of its shared.pt": lambda: torch.load(shared_file,
+                                                                                               weights_only=True),
                          "torch.load(weights_only=True)": lambda: torch.load(single, weights_only=True)}, rounds)
     params = sum(p.numel() for p in model.parameters())
     print(f"\n1. save / load: {layers} x Linear({width}, {width}) + Adam = {params / 1e6:.1f} M parameters, "
           f"checkpoint {size / 1e6:.0f} MB on disk; median of {rounds} interleaved rounds")
     _table(saves, "torch.save + fsync")
-    _table(loads, "torch.load(weights_only=True)")
+    blocked = _median_ms(saves["async_save=True, training blocked"])
+    print(f"   async_save=True blocks training {blocked / _median_ms(saves[SYNC_SAVE]):.3f}x as long as the "
+          f"synchronous save_trainer_checkpoint")
+    _table(loads, "torch.load(weights_only=True) of its shared.pt")
+    _peak_memory(paths["last"], shared_file)
     gpc.destroy()
+
+
+_PEAK = """
+import re, sys, torch
+from colossal_lite.checkpoint import CheckpointManager
+
+def size(field):  # bytes
+    return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM, what ru_maxrss reports) restarts from the present size
+before = size("VmRSS")
+state = CheckpointManager(sys.argv[2], cleanup=False).load(sys.argv[3]) if sys.argv[1] == "load" else \\
+    torch.load(sys.argv[3], weights_only=True)
+print(size("VmHWM") - before)
+"""
+
+
+def _peak_memory(folder: Path, shared_file: Path) -> None:
+    """Peak process memory (resident pages, the file's mapped pages included) added by one load, each in a fresh
+    process whose peak is reset just before it (Linux ``/proc/self/clear_refs``)."""
+    import subprocess
+    import sys
+
+    size = shared_file.stat().st_size
+    out = {}
+    for kind, target in (("load", folder), ("torch.load", shared_file)):
+        proc = subprocess.run([sys.executable, "-c", _PEAK, kind, str(folder.parent), str(target)],
+                              capture_output=True, text=True, check=True)
+        out[kind] = int(proc.stdout.split()[-1])
+    print(f"   peak memory added by one load of the {size / 1e6:.0f} MB shared.pt (fresh process, peak RSS): "
+          f"CheckpointManager.load {out['load'] / 1e6:.0f} MB, torch.load {out['torch.load'] / 1e6:.0f} MB")
 
 
 def _table(times: Dict[str, List[float]], reference: str) -> None:

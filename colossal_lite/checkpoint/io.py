@@ -5,7 +5,10 @@ read goes through ``torch.load(..., weights_only=True, map_location="cpu")``, so
 never runs code from it. Writes go to a temporary name in the same folder, are flushed and
 fsynced, and then renamed into place, so a reader sees either the old file or the new one.
 Each write also returns a CRC-32 of the bytes as they went to the file; a read given that
-checksum compares it before unpickling, so a damaged file is reported as damaged. A single file
+checksum compares it before unpickling, so a damaged file is reported as damaged. Such a read maps
+the file into memory once: the CRC-32 is taken over the mapped pages, and ``torch.load(mmap=True)``
+then builds the tensors on the same pages, so each byte is read from the disk once and no second
+copy of the file is held in memory. A single file
 (``save_checkpoint``, ``ckpt merge``) is checked against the CRC-32 that ``torch.save`` records for
 each record of its zip archive.
 """
@@ -15,6 +18,7 @@ import collections
 import enum
 import errno
 import json
+import mmap
 import os
 import pickle
 import re
@@ -249,18 +253,14 @@ def write_file(path: PathLike, writer: Callable[[Any], None]) -> str:
         raise OSError(f"torch.save failed: {e}") from e
 
 
-def file_checksum(path: PathLike, chunk_bytes: int = 1 << 22) -> str:
-    """The checksum of the file ``path`` as ``write_file`` reports it (read in chunks of ``chunk_bytes``)."""
-    crc = 0
-    buf = bytearray(chunk_bytes)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            crc = zlib.crc32(view[:n], crc)
-    return _checksum_text(crc)
+def file_checksum(path: PathLike) -> str:
+    """The checksum of the file ``path`` as ``write_file`` reports it, taken over a read-only memory map of it."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return _checksum_text(0)
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as pages:
+            return _checksum_text(zlib.crc32(pages))
 
 
 def verify_checksum(path: PathLike, expected: str) -> None:
@@ -367,19 +367,22 @@ def load_file(path: PathLike, checksum: Optional[str] = None) -> Any:
 
     With ``checksum`` (as ``write_file`` returned it) the file is compared with it first, so damage
     anywhere, the pickle included, raises ``CheckpointDamagedError`` before anything is unpickled.
-    A file that needs anything but tensors and plain values raises ``UnsafeCheckpointError``
-    before anything in it runs; a missing file ``CheckpointNotFoundError``; a truncated or
-    damaged one ``CheckpointDamagedError``. Every message names the file.
+    The comparison reads the file through a memory map and the tensors are then built on the same
+    mapped pages (``mmap=True``): the file is read once, and its tensors are copy-on-write views of
+    it until they are changed. A file that needs anything but tensors and plain values raises
+    ``UnsafeCheckpointError`` before anything in it runs; a missing file ``CheckpointNotFoundError``;
+    a truncated or damaged one ``CheckpointDamagedError``. Every message names the file.
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"checkpoint file {path} does not exist")
+    mapped = checksum is not None and checksum.split(":", 1)[0] == CHECKSUM_KIND
     if checksum is not None:
         verify_checksum(path, checksum)
     try:
         with warnings.catch_warnings():  # a refused file gets our message below, not torch's protocol notice
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped and zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:
         what = _unsupported_global(str(e))
         raise UnsafeCheckpointError(

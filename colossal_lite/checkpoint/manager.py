@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from .async_writer import AsyncSaves, SaveTimes
 from .info import checkpoint_info
 from .io import CheckpointDamagedError, CheckpointError, CheckpointNotFoundError, PathLike
 from .layout import (
@@ -33,7 +34,7 @@ from .policy import BestMetric, apply_retention, check_keep_last_n, move_pointer
 from .ranks import Ranks
 from .reader import load_shared, merge_checkpoint, model_state_from, read_checkpoint
 from .sharded import has_sharded_state, load_sharded, merge_sharded, save_sharded, verify_sharded
-from .writer import USE_GPC_CONFIG, write_checkpoint
+from .writer import USE_GPC_CONFIG, begin_write, write_checkpoint
 
 __all__ = [
     "CheckpointManager", "checkpoint_info", "checkpoint_name", "rank_file", "read_meta", "verify_files",
@@ -56,12 +57,18 @@ class CheckpointManager:
         keep_last_n: keep only the ``n`` newest checkpoints (plus whatever ``last`` and ``best``
             point at); ``None`` keeps all.
         cleanup: remove leftovers of interrupted writes now (rank 0 only).
+        async_save: ``save`` returns once the state is copied to host memory and writes the folder in the
+            background (``async_writer.py``); the folder appears, and the pointers move, when ``poll`` at a
+            step boundary finds every rank's write finished, or when ``wait`` (or the next ``save``) waits
+            for it. Call ``wait()`` before the program ends.
     """
 
     def __init__(self, checkpoint_dir: PathLike, save_last: bool = True,
                  save_best: Optional[Tuple[str, str]] = None, keep_last_n: Optional[int] = None,
-                 cleanup: bool = True):
+                 cleanup: bool = True, async_save: bool = False):
         self.checkpoint_dir = Path(checkpoint_dir)
+        self.finished_saves: List[SaveTimes] = []  # each complete asynchronous save's times (callers may clear it)
+        self._async = AsyncSaves(self.finished_saves) if async_save else None
         self.save_last = bool(save_last)
         self._best = BestMetric(save_best)
         self.keep_last_n = check_keep_last_n(keep_last_n)
@@ -126,7 +133,8 @@ class CheckpointManager:
     # -- saving --------------------------------------------------------------------------------
     def save(self, name: str, shared_state: Dict[str, Any], rank_state: Optional[Dict[str, Any]] = None,
              metrics: Optional[Dict[str, Any]] = None, *, epoch: Optional[int] = None, step: Optional[int] = None,
-             config: Any = USE_GPC_CONFIG, sharded_state: Optional[Dict[str, Any]] = None) -> Path:
+             config: Any = USE_GPC_CONFIG, sharded_state: Optional[Dict[str, Any]] = None,
+             started_at: Optional[float] = None) -> Path:
         """Write one checkpoint and return its folder. Every rank calls it (it runs collectives).
 
         ``shared_state`` is replicated state and is written once, from rank 0 (other ranks may pass
@@ -137,10 +145,46 @@ class CheckpointManager:
         A failure on any rank raises on every rank and leaves earlier checkpoints as they were.
         ``sharded_state`` (DTensor state of a ZeRO 2/3 model and optimizer) is written with
         ``torch.distributed.checkpoint`` into ``sharded/``: each rank writes its own shard.
+        With ``async_save`` it returns once the state is copied (see the class); ``started_at``
+        (``time.perf_counter()`` when the caller began gathering the state) is where its blocking time starts.
         """
-        return write_checkpoint(self.checkpoint_dir, name, shared_state, rank_state, metrics, epoch=epoch, step=step,
-                                config=config, sharded_state=sharded_state, save_best=self.save_best,
-                                on_complete=self._after_save)
+        options = dict(epoch=epoch, step=step, config=config, save_best=self.save_best, on_complete=self._after_save)
+        if self._async is not None:
+            return self._async.start(lambda stage: begin_write(self.checkpoint_dir, name, shared_state, rank_state,
+                                                               metrics, stage=stage, **options), sharded_state,
+                                     started_at)
+        return write_checkpoint(self.checkpoint_dir, name, shared_state, rank_state, metrics,
+                                sharded_state=sharded_state, **options)
+
+    @property
+    def async_save(self) -> bool:
+        return self._async is not None
+
+    @property
+    def in_flight(self) -> Optional[Path]:
+        """The folder an asynchronous save is writing now (not complete yet), or None."""
+        flight = None if self._async is None else self._async.in_flight
+        return None if flight is None else flight.job.target
+
+    @property
+    def in_flight_waited(self) -> float:
+        """Seconds the save in flight waited, when it was started, for the one before it to be written."""
+        flight = None if self._async is None else self._async.in_flight
+        return 0.0 if flight is None else flight.waited
+
+    def poll(self) -> bool:
+        """At a step boundary (every rank): complete the asynchronous save in flight if every rank's write has
+        finished; raises ``CheckpointWriteError`` on every rank if one failed. True when a folder was completed."""
+        return self._async is not None and self._async.poll()
+
+    def wait(self) -> float:
+        """Wait for the asynchronous save in flight and complete it (every rank); the seconds waited."""
+        return 0.0 if self._async is None else self._async.wait()
+
+    def abandon(self) -> Optional[Path]:
+        """After an error: finish the write in flight; in one process its folder is completed, else it is left
+        for the next start to remove. The completed folder, or None."""
+        return None if self._async is None else self._async.abandon()
 
     def _after_save(self, target: Path, metrics: Dict[str, Any]) -> None:
         """The policy, on rank 0, once ``target`` is complete: the pointers move, then old checkpoints go."""

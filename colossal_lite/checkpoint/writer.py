@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -50,6 +51,24 @@ USE_GPC_CONFIG = object()  # the default ``config``: the launched run's ``gpc.co
 OnComplete = Callable[[Path, Dict[str, Any]], None]
 
 
+@dataclass
+class FolderWrite:
+    """One checkpoint folder being written: where it goes, what goes into it, and who completes it."""
+
+    checkpoint_dir: Path
+    ranks: Ranks
+    target: Path  # the folder's final name
+    tmp: Path  # where it is written until it is complete
+    shared_plain: Any  # rank 0's shared state (None on other ranks)
+    rank_plain: Any
+    metrics: Dict[str, Any]
+    epoch: Optional[int]
+    step: Optional[int]
+    config: Any
+    save_best: Optional[Tuple[str, str]]
+    on_complete: OnComplete
+
+
 def write_checkpoint(checkpoint_dir: Path, name: str, shared_state: Optional[Dict[str, Any]],
                      rank_state: Optional[Dict[str, Any]], metrics: Optional[Dict[str, Any]], *,
                      epoch: Optional[int], step: Optional[int], config: Any,
@@ -60,9 +79,19 @@ def write_checkpoint(checkpoint_dir: Path, name: str, shared_state: Optional[Dic
     ``save_best`` is recorded in the metadata; ``on_complete`` runs on rank 0 after the rename.
     A failure on any rank raises on every rank and leaves earlier checkpoints as they were.
     """
+    job = begin_write(checkpoint_dir, name, shared_state, rank_state, metrics, epoch=epoch, step=step, config=config,
+                      save_best=save_best, on_complete=on_complete)
+    return complete_write(job, _write_files(job, sharded_state))
+
+
+def begin_write(checkpoint_dir: Path, name: str, shared_state: Optional[Dict[str, Any]],
+                rank_state: Optional[Dict[str, Any]], metrics: Optional[Dict[str, Any]], *,
+                epoch: Optional[int], step: Optional[int], config: Any, save_best: Optional[Tuple[str, str]],
+                on_complete: OnComplete, stage: Optional[Callable[[Any], Any]] = None) -> FolderWrite:
+    """Check and convert the state (and ``stage`` it: an asynchronous save's host copy), make the folder. Collective."""
     check_name(name)
     ranks = Ranks()
-    epoch, step = _numbers_from(name, epoch, step)
+    epoch, step = numbers_from(name, epoch, step)
     error: Optional[BaseException] = None
     shared_plain = rank_plain = None
     metrics_plain: Dict[str, Any] = {}
@@ -73,28 +102,67 @@ def write_checkpoint(checkpoint_dir: Path, name: str, shared_state: Optional[Dic
                 raise TypeError(f"shared_state must be a dict, got {type(shared_state).__name__}")
             shared_plain = to_plain(shared_state, "shared_state")
             metrics_plain = {str(k): _metric_value(v) for k, v in (metrics or {}).items()}
+            config = to_jsonable(gpc.config if config is USE_GPC_CONFIG else config)
+        if stage is not None:
+            shared_plain, rank_plain = stage((shared_plain, rank_plain))
     except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
         error = e
     target, tmp = _make_folder(checkpoint_dir, ranks, name, error)
-    checksums = _write_files(checkpoint_dir, ranks, target, tmp, shared_plain, rank_plain, sharded_state)
+    return FolderWrite(checkpoint_dir, ranks, target, tmp, shared_plain, rank_plain, metrics_plain, epoch, step,
+                       config, save_best, on_complete)
 
-    # rank 0 completes it: metadata, rename into place, then the caller's policy
+
+def write_rank_files(job: FolderWrite) -> Dict[str, str]:
+    """This rank's files into ``job.tmp`` (no collectives); their checksums. Raises ``OSError`` as the disk does."""
+    ranks = job.ranks
+    if not job.tmp.is_dir():
+        raise CheckpointWriteError(f"could not write checkpoint {job.target}: the folder {job.tmp} made by rank 0 is "
+                                   f"not visible on rank {ranks.rank}; checkpoint_dir must be on a "
+                                   f"filesystem every rank shares")
+    sums: Dict[str, str] = {}
     if ranks.rank == 0:
-        try:
-            meta = _meta(checkpoint_dir, tmp, target, shared_plain, metrics_plain, epoch, step, config, checksums,
-                         save_best, ranks.world_size)
-            _commit(checkpoint_dir, tmp, target, meta)
-            on_complete(target, metrics_plain)
-        except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
-            error = _write_error(checkpoint_dir, target, e) \
-                if type(e) is not CheckpointWriteError and isinstance(e, OSError) else e
-            if tmp.exists():
-                remove(tmp)
-    ranks.agree(error, f"checkpoint {target} was not completed")
-    return target
+        sums[SHARED_FILE] = save_file(job.shared_plain, job.tmp / SHARED_FILE)
+    sums[rank_file(ranks.rank)] = save_file(job.rank_plain, job.tmp / rank_file(ranks.rank))
+    return sums
 
 
-def _numbers_from(name: str, epoch: Optional[int], step: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
+def write_error(job: FolderWrite, e: BaseException) -> BaseException:
+    """The error a failed write raises: an ``OSError`` becomes a ``CheckpointWriteError`` naming the checkpoint."""
+    if isinstance(e, OSError) and type(e) is not CheckpointWriteError:
+        return _write_error(job.checkpoint_dir, job.target, e)
+    return e
+
+
+def agree_written(job: FolderWrite, error: Optional[BaseException], sums: Dict[str, str]) -> Dict[str, str]:
+    """Every rank's checksums once every rank wrote its files; else raise on every rank (the folder is removed)."""
+    ranks = job.ranks
+    return _merged(ranks.agree(error, f"checkpoint {job.target} was not written",
+                               lambda: ranks.rank == 0 and remove(job.tmp), payload=sums))
+
+
+def commit_folder(job: FolderWrite, checksums: Dict[str, str]) -> Optional[BaseException]:
+    """Rank 0 completes the written folder: metadata, rename into place, then the caller's policy (no collectives).
+
+    Returns the error that stopped it (the temporary folder is then removed), or None."""
+    try:
+        meta = _meta(job, checksums)
+        _commit(job.checkpoint_dir, job.tmp, job.target, meta)
+        job.on_complete(job.target, job.metrics)
+    except Exception as e:  # noqa: BLE001 - every rank raises it once the ranks agree
+        if job.tmp.exists():
+            remove(job.tmp)
+        return write_error(job, e)
+    return None
+
+
+def complete_write(job: FolderWrite, checksums: Dict[str, str]) -> Path:
+    """Rank 0 completes the folder (``commit_folder``); a failure raises on every rank. Collective."""
+    error = commit_folder(job, checksums) if job.ranks.rank == 0 else None
+    job.ranks.agree(error, f"checkpoint {job.target} was not completed")
+    return job.target
+
+
+def numbers_from(name: str, epoch: Optional[int], step: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
     """``epoch`` and ``step``, each defaulting to the number in a ``checkpoint_name``-style ``name``."""
     if epoch is None or step is None:
         m = NAME_RE.search(name)
@@ -136,33 +204,23 @@ def _make_folder(checkpoint_dir: Path, ranks: Ranks, name: str, error: Optional[
     return checkpoint_dir / final, checkpoint_dir / tmp_name
 
 
-def _write_files(checkpoint_dir: Path, ranks: Ranks, target: Path, tmp: Path, shared_plain, rank_plain,
-                 sharded_state: Optional[Dict[str, Any]]) -> Dict[str, str]:
-    """Every rank writes its own file(s) into ``tmp``; returns every file's checksum (all ranks). Collective."""
+def _write_files(job: FolderWrite, sharded_state: Optional[Dict[str, Any]]) -> Dict[str, str]:
+    """Every rank writes its own file(s) into ``job.tmp``; returns every file's checksum (all ranks). Collective."""
     error: Optional[BaseException] = None
     sums: Dict[str, str] = {}
     try:
-        if not tmp.is_dir():
-            raise CheckpointWriteError(f"could not write checkpoint {target}: the folder {tmp} made by rank 0 is "
-                                       f"not visible on rank {ranks.rank}; checkpoint_dir must be on a "
-                                       f"filesystem every rank shares")
-        if ranks.rank == 0:
-            sums[SHARED_FILE] = save_file(shared_plain, tmp / SHARED_FILE)
-        sums[rank_file(ranks.rank)] = save_file(rank_plain, tmp / rank_file(ranks.rank))
+        sums = write_rank_files(job)
     except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
-        error = _write_error(checkpoint_dir, target, e) \
-            if type(e) is not CheckpointWriteError and isinstance(e, OSError) else e
-    checksums = _merged(ranks.agree(error, f"checkpoint {target} was not written",
-                                    lambda: ranks.rank == 0 and remove(tmp), payload=sums))
+        error = write_error(job, e)
+    checksums = agree_written(job, error, sums)
     if sharded_state is not None:
         sums = {}
         try:
-            save_sharded(sharded_state, tmp / SHARDED_DIR)
-            sums = sharded_checksums(tmp, ranks.rank, ranks.world_size)
+            save_sharded(sharded_state, job.tmp / SHARDED_DIR)
+            sums = sharded_checksums(job.tmp, job.ranks.rank, job.ranks.world_size)
         except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
-            error = _write_error(checkpoint_dir, target, e) if isinstance(e, OSError) else e
-        checksums.update(_merged(ranks.agree(error, f"checkpoint {target} was not written",
-                                             lambda: ranks.rank == 0 and remove(tmp), payload=sums)))
+            error = write_error(job, e)
+        checksums.update(agree_written(job, error, sums))
     return checksums
 
 
@@ -205,24 +263,20 @@ def _file_sizes(tmp: Path, target: Path, world_size: int) -> Dict[str, int]:
     return files
 
 
-def _meta(checkpoint_dir: Path, tmp: Path, target: Path, shared: Dict[str, Any], metrics: Dict[str, Any],
-          epoch: Optional[int], step: Optional[int], config: Any, checksums: Dict[str, str],
-          save_best: Optional[Tuple[str, str]], world_size: int) -> Dict[str, Any]:
-    """The ``meta.json`` of the folder being written in ``tmp``."""
-    files = _file_sizes(tmp, target, world_size)
-    if config is USE_GPC_CONFIG:
-        config = gpc.config
+def _meta(job: FolderWrite, checksums: Dict[str, str]) -> Dict[str, Any]:
+    """The ``meta.json`` of the folder being written in ``job.tmp``."""
+    files = _file_sizes(job.tmp, job.target, job.ranks.world_size)
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "name": target.name,
-        "seq": 1 + max((int(m.get("seq", 0)) for _, m in complete_checkpoints(checkpoint_dir)), default=0),
-        "epoch": epoch, "step": step, "metrics": metrics, "world_size": world_size,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "name": job.target.name,
+        "seq": 1 + max((int(m.get("seq", 0)) for _, m in complete_checkpoints(job.checkpoint_dir)), default=0),
+        "epoch": job.epoch, "step": job.step, "metrics": job.metrics, "world_size": job.ranks.world_size,
         "created": time.time(), "created_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "version": __version__, "torch_version": torch.__version__,
-        "config": None if config is None else to_jsonable(config),
+        "config": None if job.config is None else to_jsonable(job.config),
         "files": files,
         "checksums": {name: checksums[name] for name in files if name in checksums},
-        "entries": {str(k): tensor_bytes(v) for k, v in shared.items()},
-        "save_best": list(save_best) if save_best else None,
+        "entries": {str(k): tensor_bytes(v) for k, v in job.shared_plain.items()},
+        "save_best": list(job.save_best) if job.save_best else None,
     }
 
 

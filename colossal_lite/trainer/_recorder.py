@@ -156,6 +156,10 @@ class Recorder(BaseHook):
                   if not isinstance(metric, LearningRateMetric)}
         self._publish([(st.step, st.epoch, now, {name: value for name, value in values.items() if value is not None})])
 
+    def record(self, step: int, epoch: int, values: Dict[str, float]) -> None:
+        """Values a hook measured itself (a checkpoint's save times) into the history and the trackers, now."""
+        self._publish([(step, epoch, time.time(), values)])
+
     def flush(self) -> None:
         """Read the per-step values kept so far into the history and the trackers (every rank calls it)."""
         if not self._times:

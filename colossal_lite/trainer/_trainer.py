@@ -11,6 +11,7 @@ import itertools
 import math
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -823,6 +824,15 @@ class Trainer:
         trackers, the objects given to ``register_for_checkpointing``. Inside ``fit`` the values recorded since
         the last flush are not in the history yet; a checkpoint reads them first (on every rank)."""
         return self.state_registry.state()
+
+    def record_values(self, values: Dict[str, float], step: Optional[int] = None, epoch: Optional[int] = None) -> None:
+        """Record ``values`` a hook measured (every rank alike) into the history and, during ``fit``, the trackers."""
+        step = self.state.step if step is None else step
+        epoch = self.state.epoch if epoch is None else epoch
+        if self._recorder is not None:
+            self._recorder.record(step, epoch, values)
+        else:
+            self.history.add_values(step, epoch, time.time(), values)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore progress and history now; each hook's, tracker's and object's state goes to the part

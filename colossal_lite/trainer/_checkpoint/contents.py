@@ -4,6 +4,7 @@ The layout (format 1) is drawn in ``colossal_lite.trainer.checkpointing``'s docs
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -125,15 +126,17 @@ def trainer_checkpoint_state(trainer, train_loader=None) -> Tuple[Dict[str, Any]
 
 
 def save_trainer_checkpoint(trainer, manager: CheckpointManager, train_loader=None,
-                            metrics: Optional[Dict[str, Any]] = None) -> Path:
+                            metrics: Optional[Dict[str, Any]] = None, started_at: Optional[float] = None) -> Path:
     """Write the run's checkpoint with ``manager``, named ``epoch{E}-step{S}``; returns its folder. Every rank calls it.
 
     Take it at a safe point (an optimizer step boundary in a hook's ``after_train_iter``, or what
     ``SaveCheckpointHook`` does); inside an accumulation window the gathered gradients are saved too.
-    ``train_loader`` defaults to the one the running ``fit`` trains on.
+    ``train_loader`` defaults to the one the running ``fit`` trains on. ``started_at``: ``time.perf_counter()``
+    when the caller began this save (an asynchronous save counts its blocking time from there; default: now).
     """
+    started_at = time.perf_counter() if started_at is None else started_at
     if train_loader is None and trainer.checkpoints is not None:
         train_loader = trainer.checkpoints.train_loader
     shared, rank_state, sharded = trainer_checkpoint_state(trainer, train_loader)
     return manager.save(checkpoint_name(name_epoch(trainer), trainer.state.step), shared, rank_state, metrics or {},
-                        sharded_state=sharded)
+                        sharded_state=sharded, started_at=started_at)

@@ -129,7 +129,10 @@ class CheckpointSession:
                         f"checkpoint{again}\n".encode())
 
     def close(self) -> None:
-        """Put back the signal handlers that were there before ``fit``."""
+        """Put back the signal handlers that were there before ``fit``; a save still in flight (``fit`` failed)
+        finishes its write."""
+        for hook in self.save_hooks:
+            hook.abandon(self.trainer)
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()

@@ -5,6 +5,7 @@ point (after the step's or the epoch's evaluation), so a run resumed from it con
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Optional, Sequence, Tuple, Union
 
@@ -50,6 +51,12 @@ class SaveCheckpointHook(BaseHook):
             ``'train/Loss'`` / ``'test/Accuracy'`` choose. It is compared only where it was measured: a
             test metric right after an evaluation, a train metric at an epoch's end.
         keep_last_n: keep only the ``n`` newest checkpoints (and whatever ``last``/``best`` name).
+        async_save: training waits only while the state is copied to host memory; the folder is written in
+            the background and appears (``last``/``best`` move, retention runs) at the first step boundary
+            after every rank finished writing it. At most one save is in flight: a save due before the
+            previous one is written waits for it, and says so. ``fit``'s end, a preemption and an error
+            wait for the save in flight. Each save's blocking and total seconds go to the log line and
+            to the history and metrics file as ``checkpoint/blocking_s`` and ``checkpoint/total_s``.
 
     A final checkpoint is also written when ``fit`` ends (unless one was just written at that step).
     ``save(trainer)`` writes one now (every rank must call it; at an optimizer step boundary, or
@@ -59,7 +66,8 @@ class SaveCheckpointHook(BaseHook):
     def __init__(self, interval: Union[int, str, Time, Sequence[Union[int, str, Time]]] = 1,
                  checkpoint_dir: Optional[str] = None, model=None,
                  save_by_iter: bool = False, priority: int = 10, save_last: bool = True,
-                 save_best: Optional[Tuple[str, str]] = None, keep_last_n: Optional[int] = None):
+                 save_best: Optional[Tuple[str, str]] = None, keep_last_n: Optional[int] = None,
+                 async_save: bool = False):
         super().__init__(priority)
         if checkpoint_dir is None:
             raise ValueError("SaveCheckpointHook(checkpoint_dir=None): give the folder the checkpoints go to, "
@@ -74,13 +82,18 @@ class SaveCheckpointHook(BaseHook):
             raise ValueError(f"SaveCheckpointHook(interval={interval!r}, save_by_iter=True): save_by_iter counts "
                              f"optimizer steps, but the interval is in epochs; use interval='500ba' or an int")
         _check_options(save_best, keep_last_n)  # fails at construction, not at the first save
-        self._options = dict(save_last=save_last, save_best=save_best, keep_last_n=keep_last_n)
+        self._options = dict(save_last=save_last, save_best=save_best, keep_last_n=keep_last_n,
+                             async_save=bool(async_save))
         self.checkpoint_dir = Path(checkpoint_dir)
         self.file: Optional[Path] = self.checkpoint_dir if self.checkpoint_dir.suffix in LEGACY_FILE_SUFFIXES else None
         if self.file is not None and (save_best is not None or keep_last_n is not None):
             raise ValueError(f"SaveCheckpointHook({str(checkpoint_dir)!r}, save_best=..., keep_last_n=...): a path "
                              f"ending in {self.file.suffix} is one legacy file, rewritten at each interval; "
                              f"save_best and keep_last_n choose among checkpoint folders: give a folder instead")
+        if self.file is not None and async_save:
+            raise ValueError(f"SaveCheckpointHook({str(checkpoint_dir)!r}, async_save=True): a path ending in "
+                             f"{self.file.suffix} is one legacy file, written by rank 0 at each interval; "
+                             f"async_save writes checkpoint folders: give a folder instead")
         self.model = model
         self.save_by_iter = bool(save_by_iter)
         self.save_best = None if save_best is None else (save_best[0], save_best[1])
@@ -137,7 +150,12 @@ class SaveCheckpointHook(BaseHook):
             self._due = True
 
     def save_if_due(self, trainer) -> Optional[Path]:
-        """At a safe point: write the checkpoint that ``interval`` made due since the last one (all ranks)."""
+        """At a safe point: write the checkpoint that ``interval`` made due since the last one (all ranks).
+
+        With ``async_save``, first complete the save in flight if every rank has written it."""
+        if self._manager is not None and self._manager.in_flight is not None:
+            self._manager.poll()
+            self._report(trainer)
         if not self._due:
             return None
         self._due = False
@@ -149,6 +167,7 @@ class SaveCheckpointHook(BaseHook):
 
     def save(self, trainer) -> Path:
         """Write a checkpoint of the run now (all ranks); returns its folder. Once per position."""
+        started_at = time.perf_counter()  # an asynchronous save's blocking time includes gathering the state
         here = position(trainer)
         if here == self._last_position and self.last_path is not None:
             return self.last_path
@@ -159,11 +178,49 @@ class SaveCheckpointHook(BaseHook):
             if self._manager is None:
                 self._manager = CheckpointManager(self.checkpoint_dir, **self._options)
             metrics = checkpoint_metrics(trainer, None if self.save_best is None else self.save_best[0])
-            path = save_trainer_checkpoint(trainer, self._manager, metrics=metrics)
+            path = save_trainer_checkpoint(trainer, self._manager, metrics=metrics, started_at=started_at)
         self._last_position, self.last_path = here, path
-        if trainer.logger is not None:
+        if self._manager is not None and self._manager.async_save:
+            self._report(trainer)  # the save before it, when this one waited for it
+            waited = self._manager.in_flight_waited
+            note = f"waited {waited:.3f} s for the previous save to be written (one in flight at most); " \
+                if waited > 0 else ""
+            log_rank_0(trainer.logger, f"checkpoint {path.name}: {note}writing in the background")
+        elif trainer.logger is not None:
             log_rank_0(trainer.logger, f"checkpoint saved: {path}")
         return path
+
+    def after_train(self, trainer):
+        """The end of ``fit`` (a preemption's included): the save in flight is completed before ``fit`` returns."""
+        self.wait(trainer)
+
+    def wait(self, trainer) -> None:
+        """Wait for the asynchronous save in flight and complete it (every rank); reported like any save."""
+        if self._manager is not None and self._manager.in_flight is not None:
+            self._manager.wait()
+        self._report(trainer)
+
+    def abandon(self, trainer) -> None:
+        """After an error in ``fit``: the write in flight finishes (completed in one process, see
+        ``CheckpointManager.abandon``) so no thread is cut off halfway through a file."""
+        if self._manager is not None and self._manager.in_flight is not None:
+            path = self._manager.abandon()
+            note = f"completed {path}" if path is not None else "left unfinished (removed at the next start)"
+            log_rank_0(trainer.logger, f"fit failed while a checkpoint was written in the background: {note}")
+        if self._manager is not None:
+            self._manager.finished_saves.clear()
+
+    def _report(self, trainer) -> None:
+        """Log each asynchronous save completed since the last report, and record its times (every rank)."""
+        if self._manager is None or not self._manager.async_save:
+            return
+        done, self._manager.finished_saves[:] = list(self._manager.finished_saves), []
+        for t in done:
+            wait = f", of which {t.waited:.3f} s waiting for the save before it" if t.waited > 0 else ""
+            log_rank_0(trainer.logger, f"checkpoint saved: {t.path} (training blocked {t.blocking:.3f} s{wait}; "
+                                       f"written in {t.total:.3f} s)")
+            trainer.record_values({"checkpoint/blocking_s": t.blocking, "checkpoint/total_s": t.total},
+                                  step=t.step, epoch=t.epoch)
 
     def _save_file(self, trainer) -> Path:
         """The legacy single file: the engine's full model and optimizer state (gathered on every rank: a
