@@ -122,7 +122,7 @@ def test_a_checkpoint_every_step_is_named_first(tmp_path):
     speed, _, _ = fit([LossHook(), saver], model=nn.Sequential(nn.Linear(4, 256), nn.Tanh(), nn.Linear(256, 2)))
     cause = first_cause(speed)
     assert cause.key == "checkpoint", format_report(speed.figures)
-    assert "save less often" in cause.suggestion
+    assert "async_save=True" in cause.suggestion and "less often" in cause.suggestion
 
 
 # -- the figures a user reads -------------------------------------------------------------------------------------
