@@ -13,6 +13,7 @@ marked by hand, ``@pytest.mark.slow``; a fast-tier run lists the unmarked tests 
 """
 from __future__ import annotations
 
+import collections
 import dis
 import functools
 import gc
@@ -179,6 +180,18 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker(SLOW) is None and (item.get_closest_marker("dist") is not None
                                                       or _starts_processes(item)):
             item.add_marker(SLOW)
+    _heavy_files_first(items)
+
+
+def _heavy_files_first(items) -> None:
+    """Run the files with the most process-starting tests first, each file's tests together and in their order.
+    Two workers (``-n 2 --dist loadfile``) take files in this order, so the suite ends on quick files instead of
+    one worker finishing a long one alone."""
+    slow_in = collections.Counter(item.path for item in items if item.get_closest_marker(SLOW) is not None)
+    first_seen = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(item.path, index)
+    items.sort(key=lambda item: (-slow_in[item.path], first_seen[item.path]))
 
 
 # --------------------------------------------------------------------------- the guard, at run time
