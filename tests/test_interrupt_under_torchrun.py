@@ -58,9 +58,11 @@ def _torchrun(script, *args):
                             start_new_session=True)
 
 
-def _ctrl_c(proc, after_line: str, again_after: str = "", timeout: float = 90):
-    """Press Ctrl-C once ``after_line`` is printed (again once ``again_after`` is); returns (output, seconds to exit)."""
-    lines, pressed = [], None
+def _ctrl_c(proc, after_line: str, again_after: str = "", again_seen: int = 2, timeout: float = 90):
+    """Press Ctrl-C once ``after_line`` is printed (again once ``again_after`` has been printed ``again_seen`` times:
+    by both ranks, so that each has handled the first press and takes the second as a press of its own, not one
+    signal that arrived twice while it waited in a collective); returns (output, seconds to exit)."""
+    lines, pressed, seen = [], None, 0
     try:
         for line in proc.stdout:
             lines.append(line)
@@ -70,8 +72,10 @@ def _ctrl_c(proc, after_line: str, again_after: str = "", timeout: float = 90):
                 if not again_after:
                     break
             elif pressed is not None and again_after in line:
-                os.killpg(proc.pid, signal.SIGINT)
-                break
+                seen += 1
+                if seen == again_seen:
+                    os.killpg(proc.pid, signal.SIGINT)
+                    break
         rest, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
