@@ -25,13 +25,15 @@ import os
 import sys
 import traceback
 
+import exact_loop
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from exact_loop import CollectiveCounter
 
 VOCAB, SEQ, CLASSES = 40, 8, 3
-MICRO_BATCHES, ACC, CLIP, LR, INIT_SCALE = 5, 2, 0.5, 0.05, 1024.0
+MICRO_BATCHES, ACC, LR = 5, 2, 0.05
+CLIP, INIT_SCALE = exact_loop.CLIP, exact_loop.INIT_SCALE  # the matrix test's, so its config serves here too
 ROWS = ("own-loss", "logits-criterion", "accuracy", "tuple", "tuple-criterion", "token-mean")
 CLASSIFIER_ROWS = ("logits-criterion", "accuracy", "tuple", "tuple-criterion")  # BERT; the others train GPT-2
 
@@ -183,15 +185,9 @@ def hand_loop(row: str, prec: str, parallel: str, rank: int, counter: Collective
 
 # -- the same through colossal_lite ------------------------------------------------------------------------------
 def config_for(row: str, prec: str, parallel: str) -> dict:
-    from colossal_lite.amp import AMP_TYPE
-
-    config = dict(gradient_accumulation=ACC, clip_grad_norm=CLIP)
-    if prec == "bf16":
-        config["fp16"] = dict(mode=AMP_TYPE.BF16)
-    elif prec == "fp16":
-        config["fp16"] = dict(mode=AMP_TYPE.TORCH, init_scale=INIT_SCALE)
-    if parallel.startswith("zero"):
-        config["zero"] = dict(stage=int(parallel[-1]))
+    """The matrix test's config for this precision and kind of parallelism (the same clipping and initial loss
+    scale), with the row's reduction."""
+    config = exact_loop.config_for(prec, parallel, ACC)
     if row == "token-mean":
         config["grad_reduction"] = "per-token-mean"
     return config
