@@ -40,7 +40,7 @@ void count_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_TOGGLE_COLLE
 void count_stop(const char *name) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_DUMP_STATS_AT(name); CALLGRIND_STOP_INSTRUMENTATION; }
 """
 _INNER = "COLOSSAL_LITE_COUNT_INNER"  # set in the process valgrind runs: it holds the toggle library's path
-CONTESTANTS = ("hand", "hand+", "engine", "trainer")
+CONTESTANTS = ("hand", "hand+", "engine", "trainer", "trainer+speed")  # +speed: with SpeedReportHook()
 EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 
 
@@ -57,16 +57,21 @@ def _inner(steps: int, width: int, nonfinite_loss: str) -> None:
     steps_by_name, trainer, hook_list = be.build_shared(w, steps)
     batches = w.batches()
     loader = [batches[i % len(batches)] for i in range(steps)]
+    from colossal_lite.trainer.hooks import SpeedReportHook
+
+    with_speed = hook_list + [SpeedReportHook()]
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
         trainer.fit(loader, epochs=1, hooks=hook_list, display_progress=True)  # warm-up
+        trainer.fit(loader, epochs=trainer.cur_epoch + 1, hooks=with_speed, display_progress=True)  # (FLOPs counted)
         for name in ("hand", "hand+", "engine"):
             for batch in loader:
                 steps_by_name[name](batch)
         for name in CONTESTANTS:
-            if name == "trainer":
+            if name.startswith("trainer"):
+                hooks = with_speed if name == "trainer+speed" else hook_list
                 lib.count_start()
-                trainer.fit(loader, epochs=trainer.cur_epoch + 1, hooks=hook_list, display_progress=True)
-                lib.count_stop(b"trainer")
+                trainer.fit(loader, epochs=trainer.cur_epoch + 1, hooks=hooks, display_progress=True)
+                lib.count_stop(name.encode())
             else:
                 step = steps_by_name[name]
                 lib.count_start()
@@ -157,6 +162,8 @@ def main() -> None:
         print(line)
     t, hp = rows["trainer"], rows["hand+"]
     print("trainer vs hand+: " + " ".join(f"{a - b:+.0f}" for a, b in zip(t, hp)) + " (Ir, L1, LL, ~cycles)")
+    ts = rows["trainer+speed"]
+    print("trainer+speed vs trainer: " + " ".join(f"{a - b:+.0f}" for a, b in zip(ts, t)) + " (Ir, L1, LL, ~cycles)")
 
 
 if __name__ == "__main__":
