@@ -51,6 +51,11 @@ _DRIVER = textwrap.dedent("""
                 writer()
             finally:
                 os._exit(1)
+        # each round first completes one save (however loaded the machine), then dies at a random moment
+        grown = time.monotonic() + 60
+        size = os.path.getsize(log) if os.path.exists(log) else 0
+        while (os.path.getsize(log) if os.path.exists(log) else 0) == size and time.monotonic() < grown:
+            time.sleep(0.005)
         time.sleep(rng.uniform(0.03, 0.4))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
@@ -96,8 +101,11 @@ def test_sigkill_at_random_moments_leaves_last_loadable(tmp_path):
             else:
                 shared, rank = m.load("last")
                 step = shared["step"]
-                # the newest state whose save returned, or the one being saved when the pointer had just moved
-                assert step in (last_saved, last_saved + 1), (step, last_saved)
+                # the newest state whose save returned, or the one being saved when the pointer had just moved; a
+                # kill between a save's return and its log line leaves the log behind: the state the previous round
+                # found is then the newest known one
+                known = max([last_saved] + [s for s in steps if s is not None])
+                assert step in (known, known + 1), (step, last_saved, steps)
                 assert rank == {"rank_step": step}
                 assert torch.equal(shared["w"], torch.full((N,), float(step)))
                 assert torch.equal(shared["w2"], torch.full((N,), float(step + 1)))
@@ -111,5 +119,5 @@ def test_sigkill_at_random_moments_leaves_last_loadable(tmp_path):
             proc.kill()
             proc.wait()
     done = [s for s in steps if s is not None]
-    assert done and done == sorted(done) and done[-1] >= KILLS  # each round resumed and went on
+    assert len(done) == KILLS and all(b > a for a, b in zip(done, done[1:])), steps  # each round resumed and went on
     assert mid_write >= 2, f"only {mid_write} of {KILLS} kills landed inside a write; the test proves little"
