@@ -228,6 +228,4 @@ def _any_rank(flag: bool, group) -> bool:
     """True when ``flag`` is true on any rank (one all-reduce on the CPU group ``group`` with several ranks)."""
     if cl_dist.world_size() == 1:
         return flag
-    box = torch.tensor([float(flag)])
-    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
-    return bool(box.item())
+    return bool(cl_dist.all_reduce_max_(torch.tensor([float(flag)]), group=group).item())

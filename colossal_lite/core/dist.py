@@ -79,10 +79,10 @@ def all_reduce_min_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
-    """The largest value of ``tensor`` over the ranks, in place; returns it."""
+def all_reduce_max_(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """The largest value of ``tensor`` over the ranks (of ``group``; None: all), in place; returns it."""
     if world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
 
 

@@ -89,6 +89,7 @@ def test_trainer_with_no_criterion_trains_on_the_models_loss_as_the_hand_loop(la
     assert [float(x) for x in losses] == [float(x) for x in hand_losses]
     metrics = trainer.states["metrics"]["train"]
     assert metrics["Accuracy"].get_accumulated_value() == hand_accuracy
+    # (not bitwise: the hook sums float32 losses weighted by batch size in float64, the hand check averages in float32)
     assert metrics["Loss"].get_accumulated_value() == pytest.approx(float(torch.stack(hand_losses).mean()), rel=1e-6)
     assert engine.num_updates == 3  # windows of 2, 2 and 1
 
@@ -105,6 +106,7 @@ def test_evaluation_reads_the_models_loss_and_accuracy_and_none_without_one(laun
     correct = sum(int((o["logits"].argmax(-1) == b["labels"]).sum()) for o, b in zip(outs, batches))
     test = trainer.states["metrics"]["test"]
     assert test["Accuracy"].get_accumulated_value() == correct / 12
+    # (not bitwise: the hook sums in float64 weighted by batch size, the hand check sums float32 losses)
     assert test["Loss"].get_accumulated_value() == pytest.approx(float(sum(o["loss"] for o in outs) / 3), rel=1e-6)
     # a batch without labels: the model computes no loss, and evaluation records none rather than failing
     output, label, loss = engine.execute_schedule(iter([dict(x=torch.randn(2, 4))]), forward_only=True)
