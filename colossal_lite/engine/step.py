@@ -122,32 +122,31 @@ class TrainStep:
         The training events do not fire (evaluation has its own, around it).
 
         ``keep`` (None: all): how many leading rows of the batch are real samples, the rest being a distributed
-        sampler's padding. The forward still runs on every row (every rank runs the same forward, and a model
-        may refuse an empty batch); the batch, its split, the output and the loss are then the real rows' only."""
+        sampler's padding. Every rank runs one forward per batch (a sharded model gathers its weights in it):
+        on the real rows only when there are some, so that a loss the model computes itself covers them alone;
+        on the whole batch when all are padding (a model may refuse an empty batch), whose output is then cut
+        to no rows."""
         rec, engine = self.record, self.engine
+        if keep:
+            batch = take_rows(batch, batch_len(batch), keep)
         rec.batch, rec.data, rec.label = engine.schedule.place(batch, engine.device)
         rec.output = call_with(self.forward, rec.data)
-        if keep is not None and self._keep_rows(keep, with_loss):
+        if keep == 0 and self._drop_rows(with_loss):
             return
         rec.loss = self.loss(rec.output, rec.label, rec.batch, required=False) if with_loss else None
 
-    def _keep_rows(self, keep: int, with_loss: bool) -> bool:
-        """Cut the loaded batch, its split and the output to their first ``keep`` rows, then take the loss of
-        those rows; False (nothing cut) when no output tensor has the batch's rows first, since labels cut alone
-        would no longer match the output. With no row left the loss is a zero: it weighs nothing in a
-        per-sample mean, where a criterion's mean over no rows would be NaN."""
+    def _drop_rows(self, with_loss: bool) -> bool:
+        """A batch that is all padding: cut the loaded batch, its split and the output to no rows, with a zero
+        loss (it weighs nothing in a per-sample mean, where a mean over no rows would be NaN); False (nothing
+        cut) when no output tensor has the batch's rows first, since labels cut alone would no longer match."""
         rec, schedule = self.record, self.engine.schedule
         rows = batch_len(rec.batch)
         if not any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows for t in iter_leaves(rec.output)):
             return False
-        loss = self.loss(rec.output, rec.label, rec.batch, required=False) if with_loss and not keep else None
-        nothing = None if loss is None else torch.zeros_like(loss)
-        rec.batch = schedule.current_batch = take_rows(rec.batch, rows, keep)
-        rec.data, rec.label, rec.output = (take_rows(part, rows, keep) for part in (rec.data, rec.label, rec.output))
-        if with_loss and keep:
-            rec.loss = self.loss(rec.output, rec.label, rec.batch, required=False)
-        else:
-            rec.loss = nothing
+        loss = self.loss(rec.output, rec.label, rec.batch, required=False) if with_loss else None
+        rec.batch = schedule.current_batch = take_rows(rec.batch, rows, 0)
+        rec.data, rec.label, rec.output = (take_rows(part, rows, 0) for part in (rec.data, rec.label, rec.output))
+        rec.loss = None if loss is None else torch.zeros_like(loss)
         return True
 
 

@@ -67,7 +67,7 @@ class Seen(BaseHook):
         reference.append(exact(test))
     def after_test_iter(self, trainer, output, label, loss):
         self.rows += label.shape[0]
-        self.outputs += output.shape[0]
+        self.outputs += (output["logits"] if isinstance(output, dict) else output).shape[0]
     def after_test(self, trainer):
         seen.append({"rows": self.rows, "outputs": self.outputs})
 
@@ -100,6 +100,31 @@ for name, loader in loaders.items():
     values = trainer.evaluate(loader, hooks=[LossHook(), AccuracyHook(accuracy[name]), Seen()])
     evaluated[name] = dict(values, **seen.pop())
     reference.pop()
+
+
+class OwnLoss(nn.Module):
+    """The trained model computing its own mean loss over the rows it is given, as a Hugging Face model does."""
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+    def forward(self, x, labels):
+        logits = self.inner(x)
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+class Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return len(test)
+    def __getitem__(self, i):
+        return {"x": test[i][0], "labels": test[i][1]}
+
+
+# no criterion: the model's loss; batches of 8 leave rank 1 a last batch of 2 real rows and its repeat
+own, *_ = colossal_lite.initialize(OwnLoss(engine.unwrapped_model), torch.optim.SGD(model.parameters(), lr=0.1),
+                                   verbose=False)
+values = Trainer(own).evaluate(get_dataloader(Rows(), batch_size=8), hooks=[LossHook(), Seen()])
+evaluated["model_loss"] = dict(values, **seen.pop())
+reference.pop()
 final = {"all": exact(test), "first_100": exact(test[:100])}
 with open(f"{out_dir}/rank{rank}.json", "w") as f:
     json.dump({"world": world, "reference": reference, "seen": seen, "fit": fit, "evaluated": evaluated,
@@ -159,6 +184,10 @@ def test_two_ranks_give_one_process_figures(tmp_path):
         assert got["Loss"] == pytest.approx(_loss(ref), rel=1e-6, abs=0), name
         assert (got["rows"], ranks[1]["evaluated"][name]["rows"]) == (rows[name][0], rows[name][1]), name
         assert got["outputs"] == got["rows"], name
+    own = result["evaluated"]["model_loss"]  # the loss a model computes itself leaves the repeat out too
+    assert own["Loss"] == ranks[1]["evaluated"]["model_loss"]["Loss"]
+    assert own["Loss"] == pytest.approx(_loss(final["all"]), rel=1e-6, abs=0)
+    assert (own["rows"], ranks[1]["evaluated"]["model_loss"]["rows"]) == (51, 50)
 
 
 @pytest.mark.parametrize("kind", ["torch", "colossal"])
@@ -206,16 +235,40 @@ def test_the_evaluation_step_keeps_the_real_rows():
     model = make_model()
     step = TrainStep(Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss()))
     (x, y), = make_batches(1)
-    step.forward_only((x, y), keep=3)
-    rec, logits = step.record, model(x).detach()
+    step.forward_only((x, y), keep=3)  # the forward sees the real rows only
+    rec, logits = step.record, model(x[:3]).detach()
     assert rec.output.shape[0] == rec.label.shape[0] == rec.data.shape[0] == step.engine.schedule.batch_size == 3
-    assert torch.equal(rec.loss, nn.functional.cross_entropy(logits[:3], y[:3]))
+    assert torch.equal(rec.output, logits) and torch.equal(rec.loss, nn.functional.cross_entropy(logits, y[:3]))
     step.forward_only((x, y), keep=0)  # only padding: no rows, and a loss that weighs nothing (not NaN)
     assert rec.output.shape[0] == rec.label.shape[0] == 0 and rec.loss.item() == 0.0
-    # an output that is not batch-first: cutting the labels alone would not match it, so nothing is cut
+    # an output that is not batch-first: the input's rows are cut before the forward, so it matches its labels
     step = TrainStep(Engine(_SequenceFirst(), torch.optim.SGD(model.parameters(), lr=0.1), _SequenceFirstLoss()))
     step.forward_only((x, y), keep=3)
+    assert step.record.label.shape[0] == 3 and step.record.output.shape == (2, 3, 4)
+    # ... and when a batch is all padding it is left whole: cutting the labels alone would not match the output
+    step.forward_only((x, y), keep=0)
     assert step.record.label.shape[0] == 4 and step.record.output.shape == (2, 4, 4)
+
+
+def test_a_loss_the_model_computes_covers_the_real_rows_only():
+    """A Hugging Face style model computes its own loss over the rows it is given: padded repeats must not be
+    among them (they would weigh the repeated samples twice in the evaluation loss)."""
+    model = _OwnLoss()
+    step = TrainStep(Engine(model, torch.optim.SGD(model.parameters(), lr=0.1)))  # no criterion: the model's loss
+    (x, y), = make_batches(1)
+    step.forward_only({"x": x, "labels": y}, keep=3)
+    assert torch.equal(step.record.loss, model(x[:3], y[:3])["loss"].detach())
+    assert not torch.equal(step.record.loss, model(x, y)["loss"].detach())  # the padded row changes it
+
+
+class _OwnLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 4)
+
+    def forward(self, x, labels):
+        logits = self.linear(x)
+        return {"logits": logits, "loss": nn.functional.cross_entropy(logits, labels)}
 
 
 class _SequenceFirst(nn.Module):
