@@ -686,7 +686,7 @@ class Trainer:
 
     def _eval_batches(self, loader, total: Optional[int], return_output_label: bool, progress) -> int:
         """Evaluation's steps, each followed by ``after_test_iter``; a distributed sampler's padded repeats are cut
-        from each batch's outputs, labels and loss after its forward, so no hook or metric counts them."""
+        from each batch before its forward, so no loss, hook or metric counts them."""
         st, h, timer, step = self.state, self._h, self._run_timer, self._step
         real = RealRows(loader)
         count = 0
