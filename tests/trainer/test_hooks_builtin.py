@@ -450,6 +450,14 @@ def test_mixup_leaves_evaluation_alone():
     assert plain["Loss"] == mixed["Loss"]
 
 
+def test_mixup_refuses_a_loss_the_model_computes_itself():
+    model = make_model()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1))  # no criterion: the model's own loss
+    with pytest.raises(ValueError, match=r"no criterion: its model computes its own loss.*Pass a criterion"):
+        Trainer(engine).fit(make_batches(1), epochs=1, hooks=[MixUp()], display_progress=False)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), make_model().parameters()))  # nothing trained
+
+
 def test_loss_sum_weighs_each_part_by_its_batch_size_and_resumes_bit_for_bit():
     """Values of one weight are summed unweighted and multiplied when folded; a smaller last batch starts a new
     part. A partial state taken anywhere continues to the uninterrupted run's exact float64 sum."""

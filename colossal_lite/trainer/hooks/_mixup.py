@@ -36,6 +36,12 @@ class MixUp(BaseHook):
         self._label = None
         self._label_perm = None
 
+    def after_hook_is_attached(self, trainer):
+        if trainer.engine.model_loss is not None:
+            raise ValueError("MixUp mixes the targets a criterion compares the output with (or two criterion "
+                             "losses), but this engine has no criterion: its model computes its own loss, which "
+                             "MixUp cannot mix. Pass a criterion to initialize(), or leave MixUp out")
+
     def after_batch_loaded(self, trainer):
         st = trainer.state
         if not isinstance(st.data, torch.Tensor) or not isinstance(st.label, torch.Tensor):
