@@ -21,6 +21,7 @@ from .io import (
 )
 from .layout import SHARDED_DIR, SHARED_FILE, read_meta, verify_files
 from .ranks import Ranks
+from .sharded_read import checking_reader
 
 
 def sharded_share(names: List[str], rank: int, world_size: int) -> List[str]:
@@ -63,8 +64,6 @@ def load_sharded(path: PathLike, state: Dict[str, Any]) -> Dict[str, Any]:
     the ranks share what they read, so each byte is read once. A damaged file raises ``CheckpointDamagedError`` naming
     it on every rank, after ``state`` was filled (so the run must not go on with it)."""
     import torch.distributed.checkpoint as dcp
-
-    from .sharded_read import checking_reader
 
     folder = Path(path) / SHARDED_DIR
     if not folder.is_dir():

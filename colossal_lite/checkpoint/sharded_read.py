@@ -4,7 +4,7 @@ DCP opens the files itself and seeks around in them; the file system given to it
 it files that take the CRC-32 of every piece read (``crc.py``). The ranks then share what they read,
 and the rank that read the most of a file joins every rank's pieces into the file's checksum,
 reading only the bytes no rank needed (shards nobody loads): each byte is read once. ``.metadata`` is plain ``pickle``:
-it is read whole and compared before DCP unpickles it. Imported only when a sharded state is loaded.
+it is read whole and compared before DCP unpickles it.
 """
 from __future__ import annotations
 
@@ -15,28 +15,30 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
-
 from .crc import ChecksummingFile, ReadChecksum
 from .io import CHECKSUM_KIND, CheckpointDamagedError, _checksum_text, _describe_os_error
 
 
-class _CheckingFileSystem(FileSystem):
-    """DCP's local file system, whose read streams note what is read (``files``); ``sums``: ``{file name: checksum}``
-    of the files in this folder, as ``meta.json`` records them (a file without one is read as it is)."""
+class _CheckingFileSystem:
+    """DCP's local file system (``plain``, which does all but reading), whose read streams note what is read
+    (``files``); ``sums``: ``{file name: checksum}`` of the files in this folder, as ``meta.json`` records them (a
+    file without one is read as it is)."""
 
-    def __init__(self, sums: Dict[str, str]):
-        super().__init__()
+    def __init__(self, plain, sums: Dict[str, str]):
+        self._plain = plain
         self.sums = {name: value for name, value in sums.items() if value.split(":", 1)[0] == CHECKSUM_KIND}
         self.files: Dict[str, ReadChecksum] = {}
         self.damaged: Optional[CheckpointDamagedError] = None  # the first damage met (DCP rewraps what it raises)
+
+    def __getattr__(self, name: str):
+        return getattr(self._plain, name)
 
     @contextmanager
     def create_stream(self, path, mode: str):
         path = Path(path)
         expected = self.sums.get(path.name)
         if mode != "rb" or expected is None:
-            with super().create_stream(path, mode) as stream:
+            with self._plain.create_stream(path, mode) as stream:
                 yield stream
             return
         if path.suffix != ".distcp":  # DCP's .metadata: unpickled, so compared before it is
@@ -95,10 +97,12 @@ class _CheckingFileSystem(FileSystem):
         self._compare(path, crc, self.sums[path.name])
 
 
-def checking_reader(folder: Path, sums: Dict[str, str]) -> FileSystemReader:
+def checking_reader(folder: Path, sums: Dict[str, str]):
     """A ``FileSystemReader`` of ``folder`` (a checkpoint's ``sharded/``) whose reads are checked against ``sums``
     (``{file name in folder: checksum}``); after ``dcp.load``, ``reader.fs.verify`` completes the check from what
     every rank read (``reader.fs.pieces_read()`` of each)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
     reader = FileSystemReader(str(folder))
-    reader.fs = _CheckingFileSystem(sums)
+    reader.fs = _CheckingFileSystem(reader.fs, sums)
     return reader
