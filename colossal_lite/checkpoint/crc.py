@@ -12,6 +12,7 @@ import bisect
 import io
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, List, Tuple
 
 __all__ = ["ReadChecksum", "ChecksummingFile", "crc32_combine"]
@@ -78,7 +79,10 @@ class ReadChecksum:
         i += 1
         while at < end:
             stop = min(end, self._pieces[i][0]) if i < len(self._pieces) else end
-            if stop > at:
+            if stop > at and i > 0 and self._pieces[i - 1][1] == at:  # goes on from a piece: extend its CRC-32
+                start, _, crc = self._pieces[i - 1]
+                self._pieces[i - 1] = (start, stop, zlib.crc32(view[at - offset:stop - offset], crc))
+            elif stop > at:
                 self._insert(i, (at, stop, zlib.crc32(view[at - offset:stop - offset])))
                 i += 1
             if stop < end:  # the piece at ``i`` begins at ``stop``: its bytes were read before
@@ -100,9 +104,13 @@ class ReadChecksum:
         """Pieces another reader of the file took (``pieces`` of its ``ReadChecksum``); one that overlaps a piece
         already here is left out, and ``finish`` reads what it alone covered."""
         for start, end, crc in pieces:
-            i = bisect.bisect_right(self._starts, start)
-            if (i == 0 or self._pieces[i - 1][1] <= start) and (i == len(self._pieces) or end <= self._pieces[i][0]):
-                self._insert(i, (start, end, crc))
+            if self.is_free(start, end):
+                self._insert(bisect.bisect_right(self._starts, start), (start, end, crc))
+
+    def is_free(self, start: int, end: int) -> bool:
+        """No piece read so far overlaps ``[start, end)``."""
+        i = bisect.bisect_right(self._starts, start)
+        return (i == 0 or self._pieces[i - 1][1] <= start) and (i == len(self._pieces) or end <= self._pieces[i][0])
 
     def unread(self) -> int:
         """Bytes of the file no piece covers."""
@@ -131,6 +139,16 @@ def _read_crc(f: BinaryIO, start: int, end: int, crc: int) -> int:
     return crc
 
 
+_CHUNK = 1 << 22  # bytes: a large read is checksummed in chunks of this size, beside the reading of the next one
+_POOL: List[ThreadPoolExecutor] = []
+
+
+def _workers() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc"))
+    return _POOL[0]
+
+
 class ChecksummingFile(io.RawIOBase):
     """A read-only binary file that notes every byte read through it in a ``ReadChecksum``."""
 
@@ -152,9 +170,36 @@ class ChecksummingFile(io.RawIOBase):
 
     def readinto(self, b) -> int:
         at = self._f.tell()
-        n = self._f.readinto(b)
+        view = memoryview(b).cast("B")
+        if len(view) >= 2 * _CHUNK and self.checksum.is_free(at, at + len(view)):
+            return self._read_beside_checksum(at, view)
+        n = self._f.readinto(view)
         if n:
-            self.checksum.note(at, memoryview(b)[:n])
+            self.checksum.note(at, view[:n])
+        return n
+
+    def _read_beside_checksum(self, at: int, view: memoryview) -> int:
+        """Read ``view`` chunk by chunk while a worker thread takes the CRC-32 of the chunks already read (zlib
+        lets go of the GIL), so reading and checksumming overlap. Every chunk is checksummed before this returns:
+        the buffer may be freed by the caller right after."""
+        crc = [0]
+
+        def take(chunk) -> None:  # the one worker runs these in order
+            crc[0] = zlib.crc32(chunk, crc[0])
+
+        pending, n = [], 0
+        try:
+            while n < len(view):
+                got = self._f.readinto(view[n:n + _CHUNK])
+                if not got:
+                    break
+                pending.append(_workers().submit(take, view[n:n + got]))
+                n += got
+        finally:
+            for job in pending:
+                job.result()
+        if n:
+            self.checksum.add([(at, at + n, crc[0])])
         return n
 
     def read(self, size: int = -1) -> bytes:

@@ -70,6 +70,15 @@ def test_the_checksum_of_pieces_read_in_any_order_is_the_files():
         pieces = read.pieces
         assert all(s < e <= s2 for (s, e, _), (s2, _, _) in zip(pieces, pieces[1:]))
         assert read.finish(io.BytesIO(data)) == zlib.crc32(data)
+    big = os.urandom(9 << 20)  # a read this large is checksummed by a worker thread beside the reading
+    read = ReadChecksum(len(big))
+    f = ChecksummingFile(io.BytesIO(big), read)
+    f.seek(1000)
+    assert f.readinto(bytearray(len(big))) == len(big) - 1000 and len(read.pieces) == 1
+    f.seek(0)
+    f.read(2000)  # overlaps the piece: only its first 1000 bytes are new
+    assert [(s, e) for s, e, _ in read.pieces] == [(0, 1000), (1000, len(big))]
+    assert read.finish(io.BytesIO(big)) == zlib.crc32(big)
 
 
 def _rchar() -> int:
