@@ -153,7 +153,7 @@ def bench_save_load(layers: int, width: int, rounds: int, root: Path) -> None:
           f"synchronous save_trainer_checkpoint")
     _table(loads, "torch.load(weights_only=True) of its shared.pt")
     bench_other_formats(shared, rank_state, single, rounds, root)
-    _peak_memory(paths["last"], shared_file, single, root / "ck-sharded")
+    _peak_memory(paths["last"], shared_file, single, root / "ck-sharded", rounds)
     gpc.destroy()
 
 
@@ -214,12 +214,16 @@ kind, target = sys.argv[1], sys.argv[2]
 if kind.startswith("sharded"):  # the state to fill is there before the load, as in a run
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     state = {}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(target + "/sharded"), planner=_EmptyStateDictLoadPlanner())
-    state = {k: v for k, v in state.items() if k in ("model", "optimizer")}
+    _load_state_dict(state, dcp.FileSystemReader(target + "/sharded"), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    assert state, "the sharded state to fill is empty"
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak (VmHWM, what ru_maxrss reports) restarts from the present size
 before = size("VmRSS")
+import time
+began = time.perf_counter()
 if kind == "folder":
     CheckpointManager(target, cleanup=False).load(target)
 elif kind == "single":
@@ -230,27 +234,37 @@ elif kind == "sharded-dcp":
     dcp.load(state, storage_reader=dcp.FileSystemReader(target + "/sharded"))
 else:
     torch.load(target, weights_only=True)
-print(size("VmHWM") - before)
+took = time.perf_counter() - began
+print(size("VmHWM") - before, took)
 """
 
 
-def _peak_memory(folder: Path, shared_file: Path, single: Path, sharded_dir: Path) -> None:
-    """Peak process memory (resident pages, the file's mapped pages included) added by one load, each in a fresh
-    process whose peak is reset just before it (Linux ``/proc/self/clear_refs``); a sharded load fills a state
-    that exists before it."""
+def _peak_memory(folder: Path, shared_file: Path, single: Path, sharded_dir: Path, rounds: int) -> None:
+    """Time and peak process memory (resident pages, the file's mapped pages included) of one load in a fresh
+    process, as a resumed run loads: the peak is reset just before the load (Linux ``/proc/self/clear_refs``); a
+    sharded load fills a state that exists before it. ``rounds`` interleaved rounds, medians."""
     import subprocess
     import sys
 
     sharded = sharded_dir / (sharded_dir / "last").read_text().strip()
-    out = {}
-    for kind, target in (("folder", folder), ("torch.load", shared_file), ("single", single),
-                         ("torch.load single", single), ("sharded", sharded), ("sharded-dcp", sharded)):
-        proc = subprocess.run([sys.executable, "-c", _PEAK, kind.split()[0], str(target)],
-                              capture_output=True, text=True, check=True)
-        out[kind] = int(proc.stdout.split()[-1]) / 1e6
-    print(f"   peak memory added by one load (fresh process, peak RSS): folder {out['folder']:.0f} MB vs torch.load "
-          f"of its shared.pt {out['torch.load']:.0f} MB; single file {out['single']:.0f} MB vs torch.load "
-          f"{out['torch.load single']:.0f} MB; sharded {out['sharded']:.0f} MB vs dcp.load {out['sharded-dcp']:.0f} MB")
+    kinds = (("folder", folder), ("torch.load", shared_file), ("single", single), ("torch.load single", single),
+             ("sharded", sharded), ("sharded-dcp", sharded))
+    peaks: Dict[str, List[float]] = {kind: [] for kind, _ in kinds}
+    times: Dict[str, List[float]] = {kind: [] for kind, _ in kinds}
+    for _ in range(rounds):
+        for kind, target in kinds:
+            proc = subprocess.run([sys.executable, "-c", _PEAK, kind.split()[0], str(target)],
+                                  capture_output=True, text=True, check=True)
+            peak, took = proc.stdout.split()[-2:]
+            peaks[kind].append(int(peak) / 1e6)
+            times[kind].append(float(took))
+    print(f"   one load in a fresh process (as a resume loads), median of {rounds} interleaved rounds:")
+    for ours, ref, what in (("folder", "torch.load", "folder: CheckpointManager.load / torch.load of its shared.pt"),
+                            ("single", "torch.load single", "single file: load_single_file / torch.load"),
+                            ("sharded", "sharded-dcp", "sharded: load_sharded / unverified dcp.load")):
+        a, b = _median_ms(times[ours]), _median_ms(times[ref])
+        print(f"   {what:<62} {a:7.1f} / {b:7.1f} ms  x{a / b:5.2f}   peak memory added "
+              f"{statistics.median(peaks[ours]):.0f} / {statistics.median(peaks[ref]):.0f} MB")
 
 
 def _table(times: Dict[str, List[float]], reference: str) -> None:

@@ -37,7 +37,8 @@ class SaveTimes:
     """How long one save took, in seconds: ``blocking`` held the training (gathering and copying the state,
     any wait for the save before it, the agreements that complete it; a wait for its own write only when
     something waited for it, as the end of ``fit`` does), ``total`` from the call to the complete folder;
-    ``waited``: the part of ``blocking`` spent waiting for the save before it."""
+    ``waited``: the part of ``blocking`` spent waiting for the save before it. A synchronous save blocks for
+    all of it (``blocking == total``)."""
 
     path: Path
     epoch: Optional[int]
