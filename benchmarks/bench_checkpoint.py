@@ -21,7 +21,11 @@
    ``fit`` call to the end of the first training iteration (restore + first batch). For contrast, the
    same with a plain DataLoader, whose position the trainer can only reach by reading batches.
 
-    python benchmarks/bench_checkpoint.py [--layers 8] [--width 1024] [--rounds 5] [--samples 200000]
+   The same state as a single file (``load_single_file`` against ``torch.load``) and as ZeRO 2/3's
+   ``sharded/`` written by DCP in one process (sync and async saves; ``load_sharded`` against an
+   unverified ``dcp.load``); peak memory of each kind of load.
+
+    python benchmarks/bench_checkpoint.py [--layers 8] [--width 1024] [--rounds 5] [--samples 200000] [--no-resume]
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import colossal_lite
 from colossal_lite.checkpoint import CheckpointManager
+from colossal_lite.checkpoint.io import load_single_file
+from colossal_lite.checkpoint.sharded import load_sharded
 from colossal_lite.core import global_context as gpc
 from colossal_lite.trainer import Trainer
 from colossal_lite.trainer.checkpointing import (
@@ -146,40 +152,119 @@ def bench_save_load(layers: int, width: int, rounds: int, root: Path) -> None:
     print(f"   async_save=True blocks training {blocked / _median_ms(saves[SYNC_SAVE]):.3f}x as long as the "
           f"synchronous save_trainer_checkpoint")
     _table(loads, "torch.load(weights_only=True) of its shared.pt")
-    _peak_memory(paths["last"], shared_file)
+    bench_other_formats(shared, rank_state, single, rounds, root)
+    _peak_memory(paths["last"], shared_file, single, root / "ck-sharded", rounds)
     gpc.destroy()
 
 
+def bench_other_formats(shared, rank_state, single: Path, rounds: int, root: Path) -> None:
+    """The single file (``save_checkpoint``'s format) and the ZeRO 2/3 format (``sharded/``, written by DCP in one
+    process, no process group): saves, blocking, and verified loads against their unverified reference."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    warnings.filterwarnings("ignore", message=".*process group.*")  # DCP runs without one here
+    engine_state = shared["engine"]
+    sharded = {"model": engine_state["model"], "optimizer": engine_state["optimizer"]["state"]}
+    manager = CheckpointManager(root / "ck-sharded", keep_last_n=1)
+    background = CheckpointManager(root / "ck-sharded-async", keep_last_n=1, async_save=True)
+    paths: Dict[str, Path] = {}
+
+    def sharded_save():
+        paths["last"] = manager.save("epoch0-step1", {"n": 1}, {}, sharded_state=sharded)
+
+    def sharded_async():
+        background.save("epoch0-step1", {"n": 1}, {}, sharded_state=sharded)
+        while not background.poll():
+            time.sleep(0.005)
+
+    saves = interleaved({"sharded: synchronous save": sharded_save,
+                         "sharded: async_save=True, until complete": sharded_async}, rounds)
+    saves["sharded: async_save=True, training blocked"] = [t.blocking for t in background.finished_saves]
+    target = {k: {n: torch.zeros_like(t) for n, t in v.items()} if k == "model" else
+              {i: {n: torch.zeros_like(t) for n, t in st.items()} for i, st in v.items()} for k, v in sharded.items()}
+    folder = paths["last"]
+    loads = interleaved({"single file: load_single_file (every record verified)": lambda: load_single_file(single),
+                         "single file: torch.load(weights_only=True)": lambda: torch.load(single, weights_only=True),
+                         "sharded: load_sharded (every byte verified)": lambda: load_sharded(folder, target),
+                         "sharded: dcp.load, unverified": lambda: dcp.load(
+                             target, storage_reader=dcp.FileSystemReader(str(folder / "sharded")))}, rounds)
+    size = sum(p.stat().st_size for p in (folder / "sharded").iterdir())
+    print(f"   sharded/ (DCP, one process): {size / 1e6:.0f} MB; single file {single.stat().st_size / 1e6:.0f} MB")
+    _table(saves, "sharded: synchronous save")
+    blocked = _median_ms(saves["sharded: async_save=True, training blocked"])
+    print(f"   sharded async_save=True blocks training {blocked / _median_ms(saves['sharded: synchronous save']):.3f}x "
+          f"as long as the synchronous save")
+    _table({k: v for k, v in loads.items() if k.startswith("single")}, "single file: torch.load(weights_only=True)")
+    _table({k: v for k, v in loads.items() if k.startswith("sharded")}, "sharded: dcp.load, unverified")
+
+
 _PEAK = """
-import re, sys, torch
+import re, sys, warnings, torch
+warnings.filterwarnings("ignore")
 from colossal_lite.checkpoint import CheckpointManager
+from colossal_lite.checkpoint.io import load_single_file
+from colossal_lite.checkpoint.sharded import load_sharded
 
 def size(field):  # bytes
     return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
 
+kind, target = sys.argv[1], sys.argv[2]
+if kind.startswith("sharded"):  # the state to fill is there before the load, as in a run
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    state = {}
+    _load_state_dict(state, dcp.FileSystemReader(target + "/sharded"), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    assert state, "the sharded state to fill is empty"
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak (VmHWM, what ru_maxrss reports) restarts from the present size
 before = size("VmRSS")
-state = CheckpointManager(sys.argv[2], cleanup=False).load(sys.argv[3]) if sys.argv[1] == "load" else \\
-    torch.load(sys.argv[3], weights_only=True)
-print(size("VmHWM") - before)
+import time
+began = time.perf_counter()
+if kind == "folder":
+    CheckpointManager(target, cleanup=False).load(target)
+elif kind == "single":
+    load_single_file(target)
+elif kind == "sharded":
+    load_sharded(target, state)
+elif kind == "sharded-dcp":
+    dcp.load(state, storage_reader=dcp.FileSystemReader(target + "/sharded"))
+else:
+    torch.load(target, weights_only=True)
+took = time.perf_counter() - began
+print(size("VmHWM") - before, took)
 """
 
 
-def _peak_memory(folder: Path, shared_file: Path) -> None:
-    """Peak process memory (resident pages, the file's mapped pages included) added by one load, each in a fresh
-    process whose peak is reset just before it (Linux ``/proc/self/clear_refs``)."""
+def _peak_memory(folder: Path, shared_file: Path, single: Path, sharded_dir: Path, rounds: int) -> None:
+    """Time and peak process memory (resident pages, the file's mapped pages included) of one load in a fresh
+    process, as a resumed run loads: the peak is reset just before the load (Linux ``/proc/self/clear_refs``); a
+    sharded load fills a state that exists before it. ``rounds`` interleaved rounds, medians."""
     import subprocess
     import sys
 
-    size = shared_file.stat().st_size
-    out = {}
-    for kind, target in (("load", folder), ("torch.load", shared_file)):
-        proc = subprocess.run([sys.executable, "-c", _PEAK, kind, str(folder.parent), str(target)],
-                              capture_output=True, text=True, check=True)
-        out[kind] = int(proc.stdout.split()[-1])
-    print(f"   peak memory added by one load of the {size / 1e6:.0f} MB shared.pt (fresh process, peak RSS): "
-          f"CheckpointManager.load {out['load'] / 1e6:.0f} MB, torch.load {out['torch.load'] / 1e6:.0f} MB")
+    sharded = sharded_dir / (sharded_dir / "last").read_text().strip()
+    kinds = (("folder", folder), ("torch.load", shared_file), ("single", single), ("torch.load single", single),
+             ("sharded", sharded), ("sharded-dcp", sharded))
+    peaks: Dict[str, List[float]] = {kind: [] for kind, _ in kinds}
+    times: Dict[str, List[float]] = {kind: [] for kind, _ in kinds}
+    for _ in range(rounds):
+        for kind, target in kinds:
+            proc = subprocess.run([sys.executable, "-c", _PEAK, kind.split()[0], str(target)],
+                                  capture_output=True, text=True, check=True)
+            peak, took = proc.stdout.split()[-2:]
+            peaks[kind].append(int(peak) / 1e6)
+            times[kind].append(float(took))
+    print(f"   one load in a fresh process (as a resume loads), median of {rounds} interleaved rounds:")
+    for ours, ref, what in (("folder", "torch.load", "folder: CheckpointManager.load / torch.load of its shared.pt"),
+                            ("single", "torch.load single", "single file: load_single_file / torch.load"),
+                            ("sharded", "sharded-dcp", "sharded: load_sharded / unverified dcp.load")):
+        a, b = _median_ms(times[ours]), _median_ms(times[ref])
+        print(f"   {what:<62} {a:7.1f} / {b:7.1f} ms  x{a / b:5.2f}   peak memory added "
+              f"{statistics.median(peaks[ours]):.0f} / {statistics.median(peaks[ref]):.0f} MB")
 
 
 def _table(times: Dict[str, List[float]], reference: str) -> None:
@@ -243,13 +328,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--samples", type=int, default=200_000)
+    parser.add_argument("--no-resume", action="store_true", help="part 1 only")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, one thread")
     root = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
     try:
         bench_save_load(args.layers, args.width, args.rounds, root)
-        bench_resume(args.samples, args.rounds, root)
+        if not args.no_resume:
+            bench_resume(args.samples, args.rounds, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

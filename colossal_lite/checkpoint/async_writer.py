@@ -37,7 +37,8 @@ class SaveTimes:
     """How long one save took, in seconds: ``blocking`` held the training (gathering and copying the state,
     any wait for the save before it, the agreements that complete it; a wait for its own write only when
     something waited for it, as the end of ``fit`` does), ``total`` from the call to the complete folder;
-    ``waited``: the part of ``blocking`` spent waiting for the save before it."""
+    ``waited``: the part of ``blocking`` spent waiting for the save before it. A synchronous save blocks for
+    all of it (``blocking == total``)."""
 
     path: Path
     epoch: Optional[int]
@@ -106,6 +107,7 @@ class AsyncSaves:
         self.completed = completed
         self._group = None  # the process group of the background sharded writes
         self._flags = None  # a gloo group for the step boundaries' question "is every rank done?": no device sync
+        self._stager = None  # DCP's stager of the sharded state (its host buffers are reused from save to save)
 
     # seconds an error in training waits for this rank's files with several ranks: a sharded write in flight
     # may be waiting for a rank that has gone
@@ -138,12 +140,24 @@ class AsyncSaves:
         future, error = None, None
         try:
             writer = dcp.FileSystemWriter(str(job.tmp / SHARDED_DIR), sync_files=True)
-            future = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+            future = dcp.async_save(state, storage_writer=writer, process_group=self._group,
+                                    async_stager=self._sharded_stager())
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = write_error(job, e)
         job.ranks.agree(error, f"checkpoint {job.target} was not written",
                         lambda: job.ranks.rank == 0 and remove(job.tmp))
         return future
+
+    def _sharded_stager(self):
+        """DCP's stager of the sharded state, kept for the run: it copies each shard into the host buffer it used
+        at the previous save (the one in flight is always written by then), so only the first save allocates."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                        use_shared_memory=False, use_async_staging=False,
+                                                        use_non_blocking_copy=False))
+        return self._stager
 
     def poll(self) -> bool:
         """At a step boundary: move the save in flight on when every rank has finished its part. Collective with

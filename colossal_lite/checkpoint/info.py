@@ -9,9 +9,9 @@ from .io import (
     CheckpointError,
     PathLike,
     file_checksum,
-    load_file,
     tensor_bytes,
     to_jsonable,
+    torch_load,
     verify_checksum,
     verify_records,
 )
@@ -51,7 +51,7 @@ def checkpoint_info(path: PathLike) -> Dict[str, Any]:
 def _file_info(p: Path) -> Dict[str, Any]:
     """``checkpoint_info`` of a single file; a merged one reports the metadata of the folder it was made from."""
     checked = verify_records(p)
-    state = load_file(p)
+    state = torch_load(p, checked)
     if not isinstance(state, dict):
         raise CheckpointError(f"{p} does not hold a checkpoint dict (it holds a {type(state).__name__})")
     lib = state.get("colossal_lite") if isinstance(state.get("colossal_lite"), dict) else {}

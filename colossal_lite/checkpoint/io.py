@@ -283,25 +283,56 @@ def verify_records(path: PathLike) -> bool:
     Raises ``CheckpointDamagedError`` naming the file and the record that differs; returns False when
     the file carries no CRCs to compare (torch's pre-zip format, or written with
     ``torch.serialization.set_crc32_options(False)``), True when every record matches. ``torch.load``
-    itself never compares them, so a flipped byte in a tensor would otherwise load silently.
+    itself never compares them, so a flipped byte in a tensor would otherwise load silently. The records
+    are read through a memory map of the file, so ``load_single_file`` then builds the tensors on the
+    same pages without reading the file again.
     """
     path = Path(path)
-    if not zipfile.is_zipfile(path):
-        return False  # not a zip archive: torch.load reports the damage it meets
     try:
-        with zipfile.ZipFile(path) as archive:
-            if not any(r.CRC for r in archive.infolist() if r.file_size):
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
                 return False
-            bad = archive.testzip()  # reads every record and compares its CRC-32
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as pages:
+                if not zipfile.is_zipfile(pages):
+                    return False  # not a zip archive: torch.load reports the damage it meets
+                bad = _first_bad_record(pages)
     except OSError as e:
         raise CheckpointDamagedError(f"could not read checkpoint file {path}: {_describe_os_error(e)}") from e
     except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, RuntimeError, struct.error, zlib.error) as e:
         raise CheckpointDamagedError(f"checkpoint file {path} is damaged: its zip archive cannot be read "
                                      f"({type(e).__name__}: {e})") from e
+    if bad is False:
+        return False
     if bad is not None:
         raise CheckpointDamagedError(f"checkpoint file {path} is damaged: its record {bad} differs from the CRC-32 "
                                      f"recorded for it when it was written")
     return True
+
+
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip record's local header: signature, ..., name and extra lengths
+
+
+def _first_bad_record(pages: mmap.mmap):
+    """The name of the first record of the mapped zip archive whose CRC-32 differs, None when all match, False when
+    it records no CRCs. ``torch.save`` stores its records uncompressed, so each CRC is taken over the mapped bytes
+    themselves (nothing copied); a compressed record (another writer) is checked by ``zipfile`` reading it."""
+    with zipfile.ZipFile(pages) as archive, memoryview(pages) as view:
+        records = archive.infolist()
+        if not any(r.CRC for r in records if r.file_size):
+            return False
+        for r in records:
+            if r.compress_type != zipfile.ZIP_STORED:
+                with archive.open(r) as member:  # zipfile compares the CRC-32 as it reads to the end
+                    while member.read(1 << 20):
+                        pass
+                continue
+            magic, name_len, extra_len = _LOCAL_HEADER.unpack_from(view, r.header_offset)
+            if magic != b"PK\x03\x04":
+                raise zipfile.BadZipFile(f"the local header of record {r.filename} is damaged")
+            start = r.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+            if start + r.file_size > len(view) or zlib.crc32(view[start:start + r.file_size]) != r.CRC:
+                return r.filename
+    return None
 
 
 def save_file(obj: Any, path: PathLike) -> str:
@@ -379,10 +410,26 @@ def load_file(path: PathLike, checksum: Optional[str] = None) -> Any:
     mapped = checksum is not None and checksum.split(":", 1)[0] == CHECKSUM_KIND
     if checksum is not None:
         verify_checksum(path, checksum)
+    return torch_load(path, mapped and zipfile.is_zipfile(path))
+
+
+def load_single_file(path: PathLike) -> Any:
+    """``load_file`` of a single-file checkpoint, checked by ``verify_records`` (it has no ``meta.json`` to check
+    against); the tensors are built on the pages that check read, as ``load_file`` does."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"checkpoint file {path} does not exist")
+    return torch_load(path, verify_records(path))
+
+
+def torch_load(path: Path, mapped: bool) -> Any:
+    """``torch.load(path, weights_only=True)`` onto the CPU (``mapped``: on a memory map of the file), every
+    failure named: ``UnsafeCheckpointError`` for a file that needs more than tensors and plain values (nothing in
+    it runs), ``CheckpointDamagedError`` for one that cannot be parsed."""
     try:
         with warnings.catch_warnings():  # a refused file gets our message below, not torch's protocol notice
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped and zipfile.is_zipfile(path))
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
     except pickle.UnpicklingError as e:
         what = _unsupported_global(str(e))
         raise UnsafeCheckpointError(
@@ -393,12 +440,3 @@ def load_file(path: PathLike, checksum: Optional[str] = None) -> Any:
             f"trust where it came from.") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise CheckpointDamagedError(f"could not read checkpoint file {path}: it is truncated or damaged ({e})") from e
-
-
-def load_single_file(path: PathLike) -> Any:
-    """``load_file`` of a single-file checkpoint, after ``verify_records`` (it has no ``meta.json`` to check against)."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointNotFoundError(f"checkpoint file {path} does not exist")
-    verify_records(path)
-    return load_file(path)

@@ -8,6 +8,7 @@ re-exported from their modules.
 """
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -34,7 +35,7 @@ from .policy import BestMetric, apply_retention, check_keep_last_n, move_pointer
 from .ranks import Ranks
 from .reader import load_shared, merge_checkpoint, model_state_from, read_checkpoint
 from .sharded import has_sharded_state, load_sharded, merge_sharded, save_sharded, verify_sharded
-from .writer import USE_GPC_CONFIG, begin_write, write_checkpoint
+from .writer import USE_GPC_CONFIG, begin_write, numbers_from, write_checkpoint
 
 __all__ = [
     "CheckpointManager", "checkpoint_info", "checkpoint_name", "rank_file", "read_meta", "verify_files",
@@ -67,7 +68,7 @@ class CheckpointManager:
                  save_best: Optional[Tuple[str, str]] = None, keep_last_n: Optional[int] = None,
                  cleanup: bool = True, async_save: bool = False):
         self.checkpoint_dir = Path(checkpoint_dir)
-        self.finished_saves: List[SaveTimes] = []  # each complete asynchronous save's times (callers may clear it)
+        self.finished_saves: List[SaveTimes] = []  # each complete save's times, in order (callers may clear it)
         self._async = AsyncSaves(self.finished_saves) if async_save else None
         self.save_last = bool(save_last)
         self._best = BestMetric(save_best)
@@ -145,16 +146,21 @@ class CheckpointManager:
         A failure on any rank raises on every rank and leaves earlier checkpoints as they were.
         ``sharded_state`` (DTensor state of a ZeRO 2/3 model and optimizer) is written with
         ``torch.distributed.checkpoint`` into ``sharded/``: each rank writes its own shard.
-        With ``async_save`` it returns once the state is copied (see the class); ``started_at``
-        (``time.perf_counter()`` when the caller began gathering the state) is where its blocking time starts.
+        With ``async_save`` it returns once the state is copied (see the class). ``started_at``
+        (``time.perf_counter()`` when the caller began gathering the state) is where the save's times start;
+        they go to ``finished_saves`` once its folder is complete (a synchronous save blocks for all of it).
         """
         options = dict(epoch=epoch, step=step, config=config, save_best=self.save_best, on_complete=self._after_save)
         if self._async is not None:
             return self._async.start(lambda stage: begin_write(self.checkpoint_dir, name, shared_state, rank_state,
                                                                metrics, stage=stage, **options), sharded_state,
                                      started_at)
-        return write_checkpoint(self.checkpoint_dir, name, shared_state, rank_state, metrics,
+        started = time.perf_counter() if started_at is None else started_at
+        path = write_checkpoint(self.checkpoint_dir, name, shared_state, rank_state, metrics,
                                 sharded_state=sharded_state, **options)
+        took = time.perf_counter() - started
+        self.finished_saves.append(SaveTimes(path, *numbers_from(name, epoch, step), blocking=took, total=took))
+        return path
 
     @property
     def async_save(self) -> bool:

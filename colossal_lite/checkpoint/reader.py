@@ -22,8 +22,9 @@ def read_checkpoint(path: PathLike, rank: int = 0, world_size: Optional[int] = N
     """Read a checkpoint in this process only (no collectives): ``(shared_state, rank_state of rank)``.
 
     ``path`` is a checkpoint folder or a file ``ckpt merge`` wrote. Every file read is first compared
-    with the checksum ``meta.json`` records (``CheckpointDamagedError`` naming the file); of the sharded
-    files, this rank checks its share of ``world_size`` (all of them when ``world_size`` is None).
+    with the checksum ``meta.json`` records (``CheckpointDamagedError`` naming the file). The sharded
+    files are checked by size here, and by checksum as ``load_sharded`` reads them (each byte read
+    once), or here, all of them, when ``world_size`` is None (one process reading the whole checkpoint).
     Checkpoints written before checksums were recorded are checked by size. A merged file is checked
     against the CRC-32 of each record of its zip archive.
     """
@@ -41,7 +42,8 @@ def read_checkpoint(path: PathLike, rank: int = 0, world_size: Optional[int] = N
     else:
         rank_state = None
         warn_no_rank_state(path, meta.get("world_size"), rank)
-    verify_sharded(path, meta, rank if world_size is not None else 0, world_size or 1)
+    if world_size is None:
+        verify_sharded(path, meta)
     return shared, rank_state
 
 

@@ -7,10 +7,21 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
-from .io import CheckpointNotFoundError, PathLike, file_checksum, fsync_dir, load_file, verify_checksum
+from .io import (
+    CheckpointDamagedError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    PathLike,
+    file_checksum,
+    fsync_dir,
+    load_file,
+    verify_checksum,
+)
 from .layout import SHARDED_DIR, SHARED_FILE, read_meta, verify_files
+from .ranks import Ranks
+from .sharded_read import checking_reader
 
 
 def sharded_share(names: List[str], rank: int, world_size: int) -> List[str]:
@@ -28,11 +39,12 @@ def sharded_checksums(folder: Path, rank: int, world_size: int) -> Dict[str, str
     return {n: file_checksum(folder / n) for n in sharded_share(names, rank, world_size)}
 
 
-def verify_sharded(folder: PathLike, meta: Dict[str, Any], rank: int = 0, world_size: int = 1) -> None:
-    """Compare this rank's share of the sharded files with the checksums ``meta`` records."""
+def verify_sharded(folder: PathLike, meta: Dict[str, Any]) -> None:
+    """Compare every sharded file with the checksum ``meta`` records (a reader in one process; ``load_sharded``
+    checks what it reads as it reads it)."""
     folder = Path(folder)
     sums = meta.get("checksums") or {}
-    for name in sharded_share(list(sums), rank, world_size):
+    for name in sorted(n for n in sums if n.startswith(SHARDED_DIR + "/")):
         verify_checksum(folder / name, sums[name])
 
 
@@ -46,15 +58,51 @@ def save_sharded(state: Dict[str, Any], folder: Path) -> None:
 
 
 def load_sharded(path: PathLike, state: Dict[str, Any]) -> Dict[str, Any]:
-    """Fill ``state`` (this run's DTensor layout, any number of ranks) from ``path/sharded`` in place. Collective."""
+    """Fill ``state`` (this run's DTensor layout, any number of ranks) from ``path/sharded`` in place. Collective.
+
+    Every byte is compared with the checksums ``meta.json`` records as DCP reads it (``sharded_read.py``):
+    the ranks share what they read, so each byte is read once. A damaged file raises ``CheckpointDamagedError`` naming
+    it on every rank, after ``state`` was filled (so the run must not go on with it)."""
     import torch.distributed.checkpoint as dcp
 
     folder = Path(path) / SHARDED_DIR
     if not folder.is_dir():
         raise CheckpointNotFoundError(f"checkpoint {path} has no sharded state ({folder} is missing): it was not "
                                       f"written by a zero stage 2/3 run; load it with zero stage 0/1, or merge it")
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
+    sums = {name[len(SHARDED_DIR) + 1:]: value for name, value in (read_meta(path).get("checksums") or {}).items()
+            if name.startswith(SHARDED_DIR + "/")}
+    reader, ranks = checking_reader(folder, sums), Ranks()
+    error: Optional[BaseException] = None
+    read = {}
+    try:
+        dcp.load(state, storage_reader=reader)
+        read = reader.fs.pieces_read()
+    except Exception as e:  # noqa: BLE001 - every rank must reach the agreements below
+        error = reader.fs.damaged or e
+    failed, every_rank = ranks.failures(error, read)
+    if not failed:
+        try:
+            reader.fs.verify(folder, every_rank, ranks.rank)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+            error = reader.fs.damaged or e
+    _agree_loaded(ranks, error, path)
     return state
+
+
+def _agree_loaded(ranks: Ranks, error: Optional[BaseException], path: PathLike) -> None:
+    """Raise on every rank when one failed; a damaged file is named on every rank (DCP rewraps the error it met)."""
+    failed, _ = ranks.failures(error)
+    if not failed:
+        return
+    if isinstance(error, CheckpointDamagedError):
+        raise error
+    for rank, (kind, message) in failed:
+        if kind == CheckpointDamagedError.__name__:
+            raise CheckpointDamagedError(f"{message} (reported by rank {rank})")
+    if error is not None:
+        raise error
+    rank, (kind, message) = failed[0]
+    raise CheckpointError(f"could not load the sharded state of {path}: rank {rank} failed: {kind}: {message}")
 
 
 def has_sharded_state(path: PathLike) -> bool:

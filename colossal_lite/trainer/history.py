@@ -8,7 +8,9 @@ a line of the metrics file. Names:
   over the ranks), for the metrics that have per-step values (the loss, the accuracy; not epoch-only ones);
 - ``lr``: the learning rate of the optimizer's first parameter group, at every optimizer step;
 - ``train/<Metric>``: a train metric's value over an epoch, recorded at the epoch's last step;
-- ``test/<Metric>``: a test metric's value over one evaluation, recorded at the step it ran after.
+- ``test/<Metric>``: a test metric's value over one evaluation, recorded at the step it ran after;
+- measured wall times and what is computed from them (``is_measured``): ``checkpoint/blocking_s`` and
+  ``checkpoint/total_s`` of each save, ``SpeedReportHook``'s ``train/time/<phase>``, throughput and MFU.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 
 from ..utils.metrics_file import CSV_COLUMNS
 
-__all__ = ["History", "is_step_name"]
+__all__ = ["History", "is_measured", "is_step_name"]
 
 FIELDS = CSV_COLUMNS  # a record's keys are the metrics file's columns
 
@@ -27,6 +29,14 @@ FIELDS = CSV_COLUMNS  # a record's keys are the metrics file's columns
 def is_step_name(name: str) -> bool:
     """The record name of a per-step value (``train/Loss_step``, ``lr``) rather than an epoch's or an evaluation's."""
     return name == "lr" or name.endswith("_step")
+
+
+def is_measured(name: str) -> bool:
+    """The record name of a value measured with a clock (a save's seconds, a phase's time, a throughput, MFU): it
+    differs between two runs of the same training, and between ranks."""
+    parts = name.split("/")
+    leaf = parts[-1][:-len("_step")] if parts[-1].endswith("_step") else parts[-1]
+    return parts[0] == "checkpoint" or "time" in parts[:-1] or "_per_s" in leaf or leaf == "mfu"
 
 
 class History:
@@ -138,6 +148,12 @@ class History:
     def without_time(self) -> List[Tuple[int, int, str, float]]:
         """``(step, epoch, name, value)`` of every record: what two runs of the same training share."""
         return [(r["step"], r["epoch"], r["name"], r["value"]) for r in self.records]
+
+    def without_measured(self) -> List[Tuple[int, int, str, float]]:
+        """``without_time()`` less the values measured with a clock (``is_measured``): what a resumed run, or another
+        rank, shares bit for bit with the uninterrupted run. A resumed run also lacks the times of the save it
+        resumed from, which were recorded after that checkpoint was taken."""
+        return [record for record in self.without_time() if not is_measured(record[2])]
 
     # -- checkpoint ----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Tuple, Union
 
 from ...checkpoint import CheckpointManager
+from ...checkpoint.async_writer import SaveTimes
 from ...checkpoint.io import CheckpointNotFoundError, load_single_file
 from ...checkpoint.manager import is_single_file, read_meta
 from ...checkpoint.merged import is_merged, split_merged
@@ -55,8 +56,13 @@ class SaveCheckpointHook(BaseHook):
             the background and appears (``last``/``best`` move, retention runs) at the first step boundary
             after every rank finished writing it. At most one save is in flight: a save due before the
             previous one is written waits for it, and says so. ``fit``'s end, a preemption and an error
-            wait for the save in flight. Each save's blocking and total seconds go to the log line and
-            to the history and metrics file as ``checkpoint/blocking_s`` and ``checkpoint/total_s``.
+            wait for the save in flight.
+
+    Every save's times, in seconds from the save call (gathering the state included), go to the log line
+    and to the history and metrics file: ``checkpoint/blocking_s`` (how long training waited) and
+    ``checkpoint/total_s`` (until the checkpoint was complete); a synchronous save blocks for all of it.
+    They are each rank's own measurement (with the legacy file, only rank 0 writes), and they differ from
+    run to run: ``History.without_measured()`` leaves them out when two runs are compared.
 
     A final checkpoint is also written when ``fit`` ends (unless one was just written at that step).
     ``save(trainer)`` writes one now (every rank must call it; at an optimizer step boundary, or
@@ -167,27 +173,27 @@ class SaveCheckpointHook(BaseHook):
 
     def save(self, trainer) -> Path:
         """Write a checkpoint of the run now (all ranks); returns its folder. Once per position."""
-        started_at = time.perf_counter()  # an asynchronous save's blocking time includes gathering the state
+        started_at = time.perf_counter()  # a save's times include gathering the state
         here = position(trainer)
         if here == self._last_position and self.last_path is not None:
             return self.last_path
         trainer.engine.check_loss_finite()  # nan weights never become a checkpoint (nor push a good one out)
         if self.file is not None:
             path = self._save_file(trainer)
+            took = time.perf_counter() - started_at
+            self._record(trainer, SaveTimes(path, name_epoch(trainer), trainer.state.step, took, took))
         else:
             if self._manager is None:
                 self._manager = CheckpointManager(self.checkpoint_dir, **self._options)
             metrics = checkpoint_metrics(trainer, None if self.save_best is None else self.save_best[0])
             path = save_trainer_checkpoint(trainer, self._manager, metrics=metrics, started_at=started_at)
         self._last_position, self.last_path = here, path
-        if self._manager is not None and self._manager.async_save:
-            self._report(trainer)  # the save before it, when this one waited for it
+        self._report(trainer)  # this save when it was synchronous; else the one before it, if this one waited for it
+        if self._manager is not None and self._manager.in_flight is not None:
             waited = self._manager.in_flight_waited
             note = f"waited {waited:.3f} s for the previous save to be written (one in flight at most); " \
                 if waited > 0 else ""
             log_rank_0(trainer.logger, f"checkpoint {path.name}: {note}writing in the background")
-        elif trainer.logger is not None:
-            log_rank_0(trainer.logger, f"checkpoint saved: {path}")
         return path
 
     def after_train(self, trainer):
@@ -211,16 +217,21 @@ class SaveCheckpointHook(BaseHook):
             self._manager.finished_saves.clear()
 
     def _report(self, trainer) -> None:
-        """Log each asynchronous save completed since the last report, and record its times (every rank)."""
-        if self._manager is None or not self._manager.async_save:
+        """Log and record each save of the folder completed since the last report (every rank)."""
+        if self._manager is None:
             return
         done, self._manager.finished_saves[:] = list(self._manager.finished_saves), []
         for t in done:
-            wait = f", of which {t.waited:.3f} s waiting for the save before it" if t.waited > 0 else ""
-            log_rank_0(trainer.logger, f"checkpoint saved: {t.path} (training blocked {t.blocking:.3f} s{wait}; "
-                                       f"written in {t.total:.3f} s)")
-            trainer.record_values({"checkpoint/blocking_s": t.blocking, "checkpoint/total_s": t.total},
-                                  step=t.step, epoch=t.epoch)
+            self._record(trainer, t)
+
+    @staticmethod
+    def _record(trainer, t: SaveTimes) -> None:
+        """One save's times in the log line, the history and the trackers (``checkpoint/blocking_s``, ``total_s``)."""
+        wait = f", of which {t.waited:.3f} s waiting for the save before it" if t.waited > 0 else ""
+        log_rank_0(trainer.logger, f"checkpoint saved: {t.path} (training blocked {t.blocking:.3f} s{wait}; "
+                                   f"written in {t.total:.3f} s)")
+        trainer.record_values({"checkpoint/blocking_s": t.blocking, "checkpoint/total_s": t.total},
+                              step=t.step, epoch=t.epoch)
 
     def _save_file(self, trainer) -> Path:
         """The legacy single file: the engine's full model and optimizer state (gathered on every rank: a
