@@ -205,7 +205,7 @@ class CheckpointManager:
             raise CheckpointNotFoundError(f"no checkpoint to load in {self.checkpoint_dir}")
         return found[1], found[2]
 
-    def read(self, which: Union[str, PathLike, None] = "auto"
+    def read(self, which: Union[str, PathLike, None] = "auto", damaged: Optional[Dict[str, str]] = None
              ) -> Optional[Tuple[Path, Dict[str, Any], Optional[Dict[str, Any]]]]:
         """``(folder, shared_state, rank_state)`` of the checkpoint ``which`` names (see ``resolve``). Collective.
 
@@ -214,6 +214,8 @@ class CheckpointManager:
         ``CheckpointDamagedError`` naming the file, except with ``"auto"``, which warns and falls back
         to the newest checkpoint that verifies (``None``: nothing to resume). ``rank_state`` is
         ``None`` (with a warning) when the checkpoint was written by fewer ranks than this run has.
+        ``damaged`` (with ``"auto"``): folders found damaged after they were read (a ZeRO 2/3 shard is checked
+        as it loads), each with its error's message: they are passed over like the ones found here.
         """
         ranks = Ranks()
         candidates, error = [], None
@@ -225,14 +227,16 @@ class CheckpointManager:
         ranks.agree(error, f"could not load checkpoint {which!r}", fallback=CheckpointError)
         candidates = ranks.broadcast(candidates)
         fall_back = isinstance(which, str) and which == "auto"
-        damaged: List[str] = []
+        found_damaged: List[str] = list((damaged or {}).values()) if fall_back else []
         for path in map(Path, candidates):
-            loaded = self._read_verified(path, ranks, damaged if fall_back else None)
+            if fall_back and str(path) in (damaged or {}):
+                continue
+            loaded = self._read_verified(path, ranks, found_damaged if fall_back else None)
             if loaded is not None:
                 return (path,) + loaded
-        if damaged:
+        if found_damaged:
             raise CheckpointDamagedError(f"no checkpoint in {self.checkpoint_dir} can be resumed: "
-                                         + "; ".join(damaged))
+                                         + "; ".join(found_damaged))
         return None
 
     def _candidates(self, which) -> List[Path]:

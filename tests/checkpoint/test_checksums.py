@@ -144,9 +144,9 @@ def clean():
     gpc.destroy()
 
 
-def _fit(ck, epochs, resume_from=None):
+def _fit(ck, epochs, resume_from=None, config=None):
     gpc.destroy()
-    colossal_lite.launch_from_torch(config={}, seed=0, verbose=False)
+    colossal_lite.launch_from_torch(config=config or {}, seed=0, verbose=False)
     torch.manual_seed(0)
     model = nn.Linear(6, 3)
     g = torch.Generator().manual_seed(0)
@@ -171,6 +171,31 @@ def test_fit_auto_resumes_from_the_newest_checkpoint_that_verifies_and_last_refu
         trainer, _ = _fit(ck, 3, resume_from="auto")
     assert f"resumed from {ck / 'epoch0-step5'}: epoch 1, step 5" in capfd.readouterr().out
     assert trainer.cur_step == 15
+
+
+@pytest.mark.slow  # FSDP2 asks ldconfig for its libraries: a process
+def test_auto_falls_back_past_a_zero_shard_found_damaged_as_it_loads(tmp_path, clean, capfd):
+    """ZeRO 3 shards are checked as DCP reads them (each byte read once), after the folder was chosen: a damaged
+    one still sends ``'auto'`` on to the next newest checkpoint, and that resume is the one a clean run gives."""
+    ck = tmp_path / "ck"
+    zero = dict(zero=dict(stage=3))
+    _fit(ck, 2, config=zero)
+    shard = next((ck / "epoch1-step10" / "sharded").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointDamagedError, match=re.escape(f"checkpoint file {shard} is damaged")):
+        _fit(ck, 3, resume_from="last", config=zero)
+    capfd.readouterr()
+    with pytest.warns(UserWarning, match=re.escape(f"checkpoint file {shard} is damaged")):
+        _, resumed = _fit(ck, 3, resume_from="auto", config=zero)
+    assert f"resumed from {ck / 'epoch0-step5'}: epoch 1, step 5" in capfd.readouterr().out
+    resumed_weights = [p.detach().clone() for p in resumed.state_dict().values()]
+    for folder in [ck / "epoch1-step10", *ck.glob("epoch2-*")]:  # the same resume with the damaged folder gone
+        folder.rename(tmp_path / folder.name)
+    (ck / "last").unlink(missing_ok=True)
+    _, clean_run = _fit(ck, 3, resume_from="auto", config=zero)
+    assert all(torch.equal(a, b) for a, b in zip(resumed_weights, clean_run.state_dict().values()))
 
 
 _TWO_RANKS = textwrap.dedent("""

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 from ...checkpoint import CheckpointManager, restore_rng_state
-from ...checkpoint.io import CheckpointError
+from ...checkpoint.io import CheckpointDamagedError, CheckpointError
 from ...checkpoint.manager import has_sharded_state, load_sharded, model_state_from
 from ...checkpoint.merged import keyed_by_name, optimizer_state_by_name, optimizer_state_by_position, parameter_names
 from ...checkpoint.model_state import ModelMismatchError
-from ...core.dist import log_rank_0, world_size
+from ...core.dist import is_rank_0, log_rank_0, world_size
 from .contents import hook_entry, saved_hook_states
 
 __all__ = ["load_trainer_checkpoint", "restore_trainer_checkpoint"]
@@ -27,11 +27,21 @@ def load_trainer_checkpoint(trainer, manager: CheckpointManager, which: Union[st
     to resume returns None (a fresh start), and skips damaged checkpoints with a warning
     (``CheckpointManager.read``). See ``restore_trainer_checkpoint`` for what is restored.
     """
-    found = manager.read(which)
-    if found is None:
-        return None
-    path, shared, rank_state = found
-    return restore_trainer_checkpoint(trainer, path, shared, rank_state, train_loader, finetune, strict)
+    damaged: Dict[str, str] = {}  # ZeRO 2/3 shards are checked as they load: a damaged one is found here
+    while True:
+        found = manager.read(which, damaged)
+        if found is None:
+            return None
+        path, shared, rank_state = found
+        try:
+            return restore_trainer_checkpoint(trainer, path, shared, rank_state, train_loader, finetune, strict)
+        except CheckpointDamagedError as error:  # raised on every rank, before anything but the engine changed
+            if not (isinstance(which, str) and which == "auto"):
+                raise
+            damaged[str(path)] = str(error)
+            if is_rank_0():
+                warnings.warn(f"{error}; resume_from='auto' goes on to the next newest checkpoint in "
+                              f"{manager.checkpoint_dir}", stacklevel=3)
 
 
 def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank_state: Optional[Dict[str, Any]],
