@@ -22,6 +22,8 @@ setup(
         "rich",
         "colorama",
         "psutil",
+        # zlib-ng: the CRC-32 that checks every checkpoint file as it is written and loaded (zlib's values, faster)
+        "zlib-ng",
     ],
     extras_require={
         # mlflow-skinny is the MLflow client the tests need (the full ``mlflow`` package depends on it);

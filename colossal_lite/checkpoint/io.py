@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Optional, Union
 import torch
 
 from ..core.tree import iter_leaves
+from .crc import crc32
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -220,7 +221,7 @@ class _ChecksumWriter:
         self.crc = 0
 
     def write(self, data) -> int:
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc32(data, self.crc)
         return self._f.write(data)
 
     def flush(self) -> None:
@@ -260,7 +261,7 @@ def file_checksum(path: PathLike) -> str:
         if size == 0:
             return _checksum_text(0)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as pages:
-            return _checksum_text(zlib.crc32(pages))
+            return _checksum_text(crc32(pages))
 
 
 def verify_checksum(path: PathLike, expected: str) -> None:
@@ -330,7 +331,7 @@ def _first_bad_record(pages: mmap.mmap):
             if magic != b"PK\x03\x04":
                 raise zipfile.BadZipFile(f"the local header of record {r.filename} is damaged")
             start = r.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-            if start + r.file_size > len(view) or zlib.crc32(view[start:start + r.file_size]) != r.CRC:
+            if start + r.file_size > len(view) or crc32(view[start:start + r.file_size]) != r.CRC:
                 return r.filename
     return None
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import io
 import os
-import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .crc import ChecksummingFile, ReadChecksum
+from .crc import ChecksummingFile, ReadChecksum, crc32
 from .io import CHECKSUM_KIND, CheckpointDamagedError, _checksum_text, _describe_os_error
 
 
@@ -43,7 +42,7 @@ class _CheckingFileSystem:
             return
         if path.suffix != ".distcp":  # DCP's .metadata: unpickled, so compared before it is
             data = self._read_whole(path)
-            self._compare(path, zlib.crc32(data), expected)
+            self._compare(path, crc32(data), expected)
             yield io.BytesIO(data)
             return
         with open(path, "rb") as f:
