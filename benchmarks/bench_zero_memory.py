@@ -155,13 +155,22 @@ def summarise(runs: list) -> dict:
                 n_params=runs[0][0]["n_params"])
 
 
+def allocator(args) -> str:
+    """The allocator settings the ranks ran under, in words."""
+    trim = ", malloc_trim(0) after every step" if args.malloc_trim else ""
+    if args.glibc_malloc:
+        return "glibc default" + trim
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc" in tunables or any(v in os.environ for v in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return f"the environment's (GLIBC_TUNABLES={tunables!r}; ZeRO leaves it alone)" + trim
+    return "as ZeRO sets it" + trim
+
+
 def report(args, rows: dict) -> bool:
     base = rows["ddp"]
     print(f"world size {args.nproc}, model {base['n_params']:,} parameters ({args.layers} x Linear({args.hidden}, "
           f"{args.hidden}) + Tanh, Linear({args.hidden}, 10)), Adam, batch {args.batch} per rank; medians of "
-          f"{args.runs} runs of the largest rank; malloc: {'glibc default' if args.glibc_malloc else 'as ZeRO sets it'}"
-          f"{', malloc_trim(0) after every step' if args.malloc_trim else ''}; GLIBC_TUNABLES="
-          f"{'glibc.malloc.check=0' if args.glibc_malloc else os.environ.get('GLIBC_TUNABLES', '')!r}")
+          f"{args.runs} runs of the largest rank; malloc: {allocator(args)}")
     cuda = base["cuda"] is not None
     print(f"{'':7}{'tensor MiB':>11}{'x DDP':>7}{'peak RSS growth MiB':>21}{'x DDP':>7}"
           f"{'  peak growth after each step, MiB':<40}" + (f"{'CUDA peak MiB':>15}{'x DDP':>7}" if cuda else "")
