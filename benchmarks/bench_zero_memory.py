@@ -1,7 +1,7 @@
 """Per-rank memory under DDP and ZeRO 1/2/3: peak process memory as the user sees it, next to tensor bytes.
 
 Run: python benchmarks/bench_zero_memory.py [--nproc 2] [--runs 3] [--hidden 1536] [--layers 11] [--batch 8]
-                                            [--glibc-malloc]
+                                            [--glibc-malloc] [--malloc-trim]
 
 Each configuration runs in its own 2-rank torchrun launch (gloo on 127.0.0.1), ``--runs`` times, and the figures
 are medians over the runs of the largest rank's value. The model is ``--layers`` x (Linear(hidden, hidden) + Tanh)
@@ -16,6 +16,8 @@ way a user script does (its ``model`` and ``optimizer`` stay referenced).
 
 ``--glibc-malloc`` leaves glibc's allocator as it is (the library keeps its hands off when a ``glibc.malloc``
 tunable is set; ``glibc.malloc.check=0`` is glibc's default), to see what ZeRO's ``mallopt`` setting changes.
+Other glibc settings are measured the same way, through ``GLIBC_TUNABLES`` in the environment (for example
+``glibc.malloc.arena_max=1``); ``--malloc-trim`` calls glibc's ``malloc_trim(0)`` after every step.
 
 Targets (peak growth relative to DDP in the same run): stage 1 <= 0.85x, stage 2 <= 0.70x, stage 3 <= 0.60x,
 and flat across the steps after the first (the optimizer state is created at the end of step 1, so step 2 is the
@@ -24,6 +26,7 @@ first to hold everything at once).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -86,10 +89,14 @@ def worker(args):
     x = torch.randn(args.batch, args.hidden, device=gpc.device)
     y = torch.randint(0, 10, (args.batch,), device=gpc.device)
 
+    trim = ctypes.CDLL("libc.so.6").malloc_trim if args.malloc_trim else None
+
     def step():
         engine.zero_grad()
         engine.backward(engine.criterion(engine(x), y))
         engine.step()
+        if trim:
+            trim(0)  # hands the heap's free pages back to the system
 
     per_step = []
     for _ in range(args.steps):
@@ -122,7 +129,7 @@ def launch(args, config: str) -> list:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_addr=127.0.0.1",
            f"--master_port={port}", __file__, "--config", config, "--hidden", str(args.hidden), "--layers",
            str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps), "--time-steps",
-           str(args.time_steps)]
+           str(args.time_steps)] + (["--malloc-trim"] if args.malloc_trim else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if args.glibc_malloc:
         env["GLIBC_TUNABLES"] = "glibc.malloc.check=0"
@@ -148,11 +155,22 @@ def summarise(runs: list) -> dict:
                 n_params=runs[0][0]["n_params"])
 
 
+def allocator(args) -> str:
+    """The allocator settings the ranks ran under, in words."""
+    trim = ", malloc_trim(0) after every step" if args.malloc_trim else ""
+    if args.glibc_malloc:
+        return "glibc default" + trim
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc" in tunables or any(v in os.environ for v in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return f"the environment's (GLIBC_TUNABLES={tunables!r}; ZeRO leaves it alone)" + trim
+    return "as ZeRO sets it" + trim
+
+
 def report(args, rows: dict) -> bool:
     base = rows["ddp"]
     print(f"world size {args.nproc}, model {base['n_params']:,} parameters ({args.layers} x Linear({args.hidden}, "
           f"{args.hidden}) + Tanh, Linear({args.hidden}, 10)), Adam, batch {args.batch} per rank; medians of "
-          f"{args.runs} runs of the largest rank; malloc: {'glibc default' if args.glibc_malloc else 'as ZeRO sets it'}")
+          f"{args.runs} runs of the largest rank; malloc: {allocator(args)}")
     cuda = base["cuda"] is not None
     print(f"{'':7}{'tensor MiB':>11}{'x DDP':>7}{'peak RSS growth MiB':>21}{'x DDP':>7}"
           f"{'  peak growth after each step, MiB':<40}" + (f"{'CUDA peak MiB':>15}{'x DDP':>7}" if cuda else "")
@@ -187,6 +205,7 @@ def main():
     parser.add_argument("--steps", type=int, default=4, help="steps whose peak memory is measured")
     parser.add_argument("--time-steps", type=int, default=3, help="timed steps after the measured ones")
     parser.add_argument("--glibc-malloc", action="store_true", help="without ZeRO's mallopt setting")
+    parser.add_argument("--malloc-trim", action="store_true", help="glibc's malloc_trim(0) after every step")
     parser.add_argument("--config", choices=sorted(CONFIGS), help=argparse.SUPPRESS)  # set in the ranks
     parser.add_argument("--out", help=argparse.SUPPRESS)  # the folder the ranks write their results to
     args = parser.parse_args()

@@ -1,7 +1,8 @@
 """Time per update of DDP and ZeRO 1/2/3 through colossal_lite against the hand-written loop of each, on 2 ranks.
 
-Run: python benchmarks/bench_zero_speed.py [--models gpt2,resnet] [--precisions fp32,bf16] [--rounds 8]
-                                           [--steps 1] [--nproc 2] [--glibc-malloc]
+Run: python benchmarks/bench_zero_speed.py [--models gpt2,resnet] [--precisions fp32,bf16] [--runs 4]
+                                           [--rounds 4] [--steps 2] [--nproc 2] [--glibc-malloc]
+                                           [--hand-under-setting]
 
 Workloads (CPU, gloo on 127.0.0.1, one thread per rank, AdamW, no clipping, no accumulation):
 - ``gpt2``: a Hugging Face ``GPT2LMHeadModel`` (4 blocks, width 128, 4 heads, vocabulary 1024), sequences of 64
@@ -14,18 +15,19 @@ on each block (``GPT2Block``, ``BasicBlock``) and the root with ``reshard_after_
 bf16 a ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and the BatchNorm layers as one fp32 unit
 (``batch_norm`` refuses bf16 weights next to its fp32 running statistics); ``torch.autocast`` around forward and
 loss under bf16. The library runs ``initialize`` with ``zero=dict(stage=N)`` (and ``fp16=dict(mode=AMP_TYPE.BF16)``)
-and the engine loop. Before timing, each pair trains two steps and must hold the same parameters (``torch.equal``).
+and the engine loop. Every library contestant first trains two steps beside a twin hand loop in its own process
+and must hold the same parameters and buffers (``torch.equal``).
 
-How it is timed: the 8 contestants of a workload live in one 2-rank launch; in each round every kind runs
-``--steps`` updates of hand, library, library, hand (the next round library, hand, hand, library), each after a
-barrier. Reported: the median over rounds of each contestant's ms per update, and the median over rounds of the
-library / hand ratio of the same round (the largest rank's time). Target: ratio <= 1.05. The machine is shared:
-other processes' load shows as noise in every figure.
-
-The hand loops share their processes with the library, so on the CPU they run under ZeRO's ``mallopt`` setting
-too (it is process-wide, set by the first ZeRO contestant). ``--glibc-malloc`` runs everything under glibc's own
-allocator settings (the library leaves them alone when a ``glibc.malloc`` tunable is set, and
-``glibc.malloc.check=0`` is glibc's default): comparing the two runs shows what the setting costs in time.
+The allocator: on the CPU the library's ZeRO sets glibc's ``mallopt`` (process-wide), which a user's own loop
+does not. So the contestants live in two kinds of 2-rank launch: "plain" (every hand loop, and the library's DDP,
+which leaves the allocator alone) and "zero" (the library's ZeRO stages). ``--runs`` pairs of launches are
+alternated (plain, zero, then zero, plain); in a launch each contestant runs ``--steps`` updates per round, after
+a barrier, ``--rounds`` times. Reported per pair: the library's median ms per update over the rounds divided by
+its hand loop's; then the median of those ratios over the pairs. Target: <= 1.05. ``--hand-under-setting``
+gives the hand loops ZeRO's setting too (the library's own overhead alone); ``--glibc-malloc`` runs the library
+under glibc's defaults (it leaves the allocator alone when a ``glibc.malloc`` tunable is set;
+``glibc.malloc.check=0`` is glibc's default). The machine is shared: other processes' load shows as noise in every
+figure; the load average is printed.
 """
 from __future__ import annotations
 
@@ -144,8 +146,18 @@ def library_step(engine, x, y):
     engine.step()
 
 
-def contestants(name: str, prec: str, rank: int):
-    """{(kind, side): one update} for every kind, hand and library, after checking each pair trains alike."""
+def warmed(setup_and_step):
+    """Two updates, so that every contestant is timed in its steady state (optimizer state, FSDP buffers)."""
+    for _ in range(2):
+        setup_and_step()
+    return setup_and_step
+
+
+def contestants(name: str, prec: str, rank: int, launch_kind: str):
+    """{(kind, side): one update} of the contestants that run in a launch of ``launch_kind``: "plain" holds every
+    hand-written loop and the library's DDP (neither touches the allocator), "zero" the library's ZeRO stages. A
+    library contestant is first checked against a twin hand loop in its own process: after two updates each, the
+    same parameters and buffers (``torch.equal``)."""
     import torch
 
     from colossal_lite.checkpoint.model_state import unwrap_module
@@ -155,14 +167,18 @@ def contestants(name: str, prec: str, rank: int):
     loss_fn = criterion()
     steps = {}
     for kind in KINDS:
+        if launch_kind == "zero" and kind == "ddp":
+            continue
         model, block = build_model(name)
         hand_model, optimizer = hand_setup(kind, model, block, dtype)
-        steps[kind, "hand"] = lambda m=hand_model, o=optimizer: hand_step(m, o, loss_fn, dtype, x, y)
+        hand = warmed(lambda m=hand_model, o=optimizer: hand_step(m, o, loss_fn, dtype, x, y))
+        if launch_kind == "plain":
+            steps[kind, "hand"] = hand
+        library_here = (kind == "ddp") == (launch_kind == "plain")
+        if not library_here:
+            continue
         engine = library_setup(kind, build_model(name)[0], prec)
-        steps[kind, "lib"] = lambda e=engine: library_step(e, x, y)
-        for _ in range(2):
-            steps[kind, "hand"]()
-            steps[kind, "lib"]()
+        steps[kind, "lib"] = warmed(lambda e=engine: library_step(e, x, y))
         hand_state = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in
                       unwrap_module(hand_model).state_dict().items()}
         lib_state = engine.state_dict()["model"]
@@ -173,23 +189,18 @@ def contestants(name: str, prec: str, rank: int):
 
 
 def time_rounds(steps: dict, rounds: int, per_round: int) -> dict:
-    """ms per update of each contestant in each round: per kind, hand-library-library-hand in one round and
-    library-hand-hand-library in the next, so a drift of the machine's load weighs on both sides alike."""
+    """ms per update of each contestant in each round; the contestants of a launch take turns (their order
+    reversed every other round), each after a barrier."""
     import torch.distributed as dist
 
     times = {key: [] for key in steps}
     for r in range(rounds):
-        for kind in KINDS:
-            order = ("hand", "lib", "lib", "hand") if r % 2 == 0 else ("lib", "hand", "hand", "lib")
-            spent = {"hand": 0.0, "lib": 0.0}
-            for side in order:
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(per_round):
-                    steps[kind, side]()
-                spent[side] += time.perf_counter() - t0
-            for side, seconds in spent.items():
-                times[kind, side].append(seconds / (2 * per_round) * 1e3)
+        for key in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                steps[key]()
+            times[key].append((time.perf_counter() - t0) / per_round * 1e3)
     return {f"{k}/{s}": v for (k, s), v in times.items()}
 
 
@@ -198,14 +209,17 @@ def worker(args):
 
     import colossal_lite
     from colossal_lite.core import global_context as gpc
+    from colossal_lite.engine.zero import return_large_frees_to_the_system
 
     torch.set_num_threads(1)
     colossal_lite.launch_from_torch(config={}, verbose=False)
+    if args.launch_kind == "plain" and args.hand_under_setting:
+        return_large_frees_to_the_system()
     rank = gpc.get_global_rank()
     results = {}
     for name in args.models.split(","):
         for prec in args.precisions.split(","):
-            steps = contestants(name, prec, rank)
+            steps = contestants(name, prec, rank, args.launch_kind)
             results[f"{name}/{prec}"] = time_rounds(steps, args.rounds, args.steps)
             del steps
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
@@ -213,13 +227,16 @@ def worker(args):
     gpc.destroy()
 
 
-def launch(args) -> list:
+def launch(args, launch_kind: str) -> dict:
+    """One 2-rank launch of ``launch_kind``: {workload: {kind/side: the largest rank's ms per update, per round}}."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_addr=127.0.0.1",
            f"--master_port={port}", __file__, "--models", args.models, "--precisions", args.precisions,
-           "--rounds", str(args.rounds), "--steps", str(args.steps)]
+           "--rounds", str(args.rounds), "--steps", str(args.steps), "--launch-kind", launch_kind]
+    if args.hand_under_setting:
+        cmd.append("--hand-under-setting")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if args.glibc_malloc:
         env["GLIBC_TUNABLES"] = "glibc.malloc.check=0"
@@ -231,21 +248,36 @@ def launch(args) -> list:
         for rank in range(args.nproc):
             with open(os.path.join(out, f"rank{rank}.json")) as f:
                 ranks.append(json.load(f))
-    return ranks
+    return {w: {key: [max(v) for v in zip(*(r[w][key] for r in ranks))] for key in ranks[0][w]} for w in ranks[0]}
 
 
-def report(ranks: list) -> bool:
-    """One line per workload and kind: medians of the largest rank's ms per update, median paired ratio."""
+def paired_launches(args) -> list:
+    """``--runs`` pairs of launches, "plain" then "zero" and the next pair the other way round, merged per pair."""
+    pairs = []
+    for i in range(args.runs):
+        merged = {}
+        for launch_kind in (("plain", "zero") if i % 2 == 0 else ("zero", "plain")):
+            for workload, times in launch(args, launch_kind).items():
+                merged.setdefault(workload, {}).update(times)
+        pairs.append(merged)
+    return pairs
+
+
+def report(pairs: list) -> bool:
+    """One line per workload and kind: the median over pairs of launches of each side's median ms per update,
+    the ratio in each pair (library median / hand median) and the median of those ratios."""
     ok = True
-    print(f"{'workload':14}{'kind':7}{'hand ms':>9}{'lib ms':>9}{'lib/hand':>10}  (median of per-round ratios)")
-    for workload in ranks[0]:
+    med = statistics.median
+    print(f"{'workload':14}{'kind':7}{'hand ms':>9}{'lib ms':>9}{'lib/hand':>10}  per pair")
+    for workload in pairs[0]:
         for kind in KINDS:
-            hand = [max(vals) for vals in zip(*(r[workload][f"{kind}/hand"] for r in ranks))]
-            lib = [max(vals) for vals in zip(*(r[workload][f"{kind}/lib"] for r in ranks))]
-            ratio = statistics.median(b / a for a, b in zip(hand, lib))
+            hand = [med(p[workload][f"{kind}/hand"]) for p in pairs]
+            lib = [med(p[workload][f"{kind}/lib"]) for p in pairs]
+            ratios = [b / a for a, b in zip(hand, lib)]
+            ratio = med(ratios)
             ok = ok and ratio <= TARGET
-            print(f"{workload:14}{kind:7}{statistics.median(hand):9.1f}{statistics.median(lib):9.1f}{ratio:10.3f}"
-                  f"  {'PASS' if ratio <= TARGET else 'FAIL'} (target <= {TARGET})")
+            print(f"{workload:14}{kind:7}{med(hand):9.1f}{med(lib):9.1f}{ratio:10.3f}  "
+                  f"{' '.join(f'{r:.2f}' for r in ratios)}  {'PASS' if ratio <= TARGET else 'FAIL'} (<= {TARGET})")
     return ok
 
 
@@ -253,20 +285,27 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,resnet")
     parser.add_argument("--precisions", default="fp32,bf16")
-    parser.add_argument("--rounds", type=int, default=8, help="interleaved rounds (medians are reported)")
-    parser.add_argument("--steps", type=int, default=1, help="updates per contestant per round")
+    parser.add_argument("--runs", type=int, default=4, help="pairs of launches (plain, zero), alternated")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per launch (each contestant once per round)")
+    parser.add_argument("--steps", type=int, default=2, help="updates per contestant per round")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--glibc-malloc", action="store_true", help="without ZeRO's mallopt setting")
+    parser.add_argument("--glibc-malloc", action="store_true", help="the library's ZeRO without its mallopt setting")
+    parser.add_argument("--hand-under-setting", action="store_true",
+                        help="the hand loops (and DDP) under ZeRO's mallopt setting too: the library's own overhead")
+    parser.add_argument("--launch-kind", choices=("plain", "zero"), help=argparse.SUPPRESS)  # set in the ranks
     parser.add_argument("--out", help=argparse.SUPPRESS)  # the folder the ranks write their results to
     args = parser.parse_args()
     if "RANK" in os.environ:
         worker(args)
         return
     start = time.perf_counter()
-    ok = report(launch(args))
-    malloc = "glibc default" if args.glibc_malloc else "as ZeRO sets it"
-    print(f"{args.nproc} ranks, gloo, CPU, {args.rounds} rounds x {args.steps} updates, malloc {malloc}; "
-          f"{time.perf_counter() - start:.0f} s")
+    load = os.getloadavg()
+    ok = report(paired_launches(args))
+    zero = "glibc default" if args.glibc_malloc else "as ZeRO sets it"
+    hand = "as ZeRO sets it" if args.hand_under_setting else "glibc default"
+    print(f"{args.nproc} ranks, gloo, CPU, {args.runs} pairs of launches x {args.rounds} rounds x {args.steps} "
+          f"updates; malloc: library ZeRO {zero}, hand loops and DDP {hand}; load average {load[0]:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after; {time.perf_counter() - start:.0f} s")
     sys.exit(0 if ok else 1)
 
 

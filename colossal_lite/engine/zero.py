@@ -34,8 +34,12 @@ def return_large_frees_to_the_system() -> bool:
     its mmap threshold to the largest block freed so far, so these buffers come from the heap, whose holes (pinned
     by small allocations) are not returned: resident memory grows step after step and its peak ends above DDP's.
     A fixed threshold keeps the peak at the live tensors, at the price of fresh pages (page faults) for those
-    buffers in every step. Process-wide and once; nothing is changed when the user set glibc's own variables for
-    it (their choice wins), or on another C library. Returns True when the setting is in force.
+    buffers in every step, paid by every buffer of that size (a convolution network's too). The heap that grows is
+    the main thread's (the collectives' threads keep small arenas of their own, so capping the arenas changes
+    nothing), and handing its free pages back after the step (``malloc_trim``) does not lower the peak, which is
+    reached inside the step. A fixed trim threshold alone also fixes the mmap threshold, at glibc's small
+    starting value. Process-wide and once; nothing is changed when the user set glibc's own variables for it
+    (their choice wins), or on another C library. Returns True when the setting is in force.
     """
     global _malloc_tuned
     if _malloc_tuned:
