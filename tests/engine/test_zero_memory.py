@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from dist_helpers import run_python, run_torchrun
+from dist_helpers import run_python, run_ranks
 
 RANK_SCRIPT = r'''
 import json, resource, sys, weakref
@@ -58,7 +58,7 @@ def memory(tmp_path_factory):
     script.write_text(RANK_SCRIPT)
 
     def launch(mode):  # each mode in its own processes: the peak resident memory is per process
-        run_torchrun(script, args=[mode, tmp / mode], nproc=2, timeout=180)
+        run_ranks(script, args=[mode, tmp / mode], nproc=2, timeout=180)
         return [json.loads(Path(f"{tmp / mode}.rank{r}").read_text()) for r in (0, 1)]
 
     with ThreadPoolExecutor(len(MODES)) as pool:
