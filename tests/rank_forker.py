@@ -64,10 +64,20 @@ def run_as_main(script: str, args) -> None:
     raise SystemExit(0)
 
 
+def fresh_random_state() -> None:
+    """numpy's global generator, seeded from the OS when numpy was imported here, would otherwise be the same in
+    every rank; in a new interpreter it is each process's own (Python's ``random`` reseeds itself after a fork)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
 def start_rank(rank: int, nproc: int, port: int, script: str, args) -> int:
     pid = os.fork()
     if pid == 0:  # the rank: its SystemExit leaves through this module's top level, a normal interpreter exit
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # its Python stacks, asked for at a timeout
+        fresh_random_state()
         os.environ.update(torchrun_env(rank, nproc, port))
         run_as_main(script, args)
     return pid
