@@ -237,7 +237,7 @@ def _install_guard() -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _running["item"] = item
-    before = _cpu_seconds()
+    before = _cpu_seconds() if os.environ.get(CPU_LOG) else None
     try:
         yield
     finally:
@@ -261,7 +261,7 @@ def _cpu_seconds():
 
 def _log_cpu(item, before) -> None:
     folder = os.environ.get(CPU_LOG)
-    if not folder:
+    if before is None or not folder:
         return
     after = _cpu_seconds()
     with open(Path(folder) / f"cpu-{os.getpid()}.tsv", "a", encoding="utf-8") as f:
