@@ -83,11 +83,11 @@ def start_rank(rank: int, nproc: int, port: int, script: str, args) -> int:
     return pid
 
 
-def ask_for_stacks(pids) -> None:
+def ask_for_stacks(pids: dict) -> None:
     """Each rank in turn prints its Python stacks (SIGUSR1 to this process asks, at a test's timeout), so the
     ranks' stacks do not interleave."""
-    for pid in pids:
-        sys.stderr.write(f"rank_forker: the Python stacks of the rank with pid {pid}\n")
+    for pid, rank in list(pids.items()):
+        sys.stderr.write(f"rank_forker: the Python stacks of rank {rank} (pid {pid})\n")
         try:
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:
@@ -126,7 +126,7 @@ def main() -> int:
     nproc, port, script, args = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
     gc.freeze()  # the ranks leave what was imported here to the OS at exit instead of collecting it
     pids = {}
-    signal.signal(signal.SIGUSR1, lambda signum, frame: ask_for_stacks(list(pids)))  # before the forks: theirs too
+    signal.signal(signal.SIGUSR1, lambda signum, frame: ask_for_stacks(pids))  # each rank puts faulthandler's instead
     for rank in range(nproc):
         pids[start_rank(rank, nproc, port, script, args)] = rank
     codes = wait_all(pids)
