@@ -237,10 +237,35 @@ def _install_guard() -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _running["item"] = item
+    before = _cpu_seconds() if os.environ.get(CPU_LOG) else None
     try:
         yield
     finally:
         _running["item"] = None
+        _log_cpu(item, before)
+
+
+# --------------------------------------------------------------------------- CPU seconds per test, on request
+
+CPU_LOG = "COLOSSAL_LITE_TEST_CPU_LOG"  # a folder: each pytest process appends its tests' CPU seconds there
+
+
+def _cpu_seconds():
+    """User + system CPU seconds of this process and of its finished children (theirs include their own
+    children's), which the machine's load does not change the way it changes wall time."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+def _log_cpu(item, before) -> None:
+    folder = os.environ.get(CPU_LOG)
+    if before is None or not folder:
+        return
+    after = _cpu_seconds()
+    with open(Path(folder) / f"cpu-{os.getpid()}.tsv", "a", encoding="utf-8") as f:
+        f.write(f"{item.nodeid}\t{after[0] - before[0]:.3f}\t{after[1] - before[1]:.3f}\n")
 
 
 @pytest.hookimpl(hookwrapper=True)

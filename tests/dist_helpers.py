@@ -1,9 +1,24 @@
-"""Start real processes for distributed tests: torchrun with gloo on 127.0.0.1, a free port, a timeout; and read
-the python blocks of a docs page that such tests run."""
+"""Start real processes for distributed tests: N ranks with gloo on 127.0.0.1, a free port, a timeout; and read
+the python blocks of a docs page that such tests run.
+
+``run_ranks`` starts the ranks of most tests: it gives them torchrun's environment but forks them from one
+interpreter that imported torch once (``tests/rank_forker.py``). Tests whose subject is torchrun, or a command
+users run with torchrun, start real torchrun (``run_torchrun`` or their own command line):
+
+- test_launch.py::test_two_processes_under_torchrun: launch_from_torch joins the store of torchrun's agent;
+- test_multinode.py: elastic agents on two nodes and a restart (the reference run uses the same agent);
+- test_clean_exit.py's runs under torchrun: a process's teardown at exit, under the launcher users run;
+- test_interrupt_under_torchrun.py, checkpoint/test_preemption.py, test_async_unwritable.py and
+  test_unwritable_folder.py (their torchrun command lines): signals, exit statuses and restarts through the agent;
+- logging/test_launch_doc_*.py and context/test_config_overrides.py::test_the_docs_example_runs_under_torchrun:
+  docs snippets, run with the torchrun command the docs give;
+- examples/test_*_example.py and trainer/test_trainer_examples.py: the examples, with their READMEs' commands.
+"""
 from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +30,7 @@ import torch.distributed as dist
 from colossal_lite.core import global_context as gpc
 
 REPO = Path(__file__).resolve().parents[1]
+STACKS_S = 2.0  # for the ranks of a launch that timed out to print their Python stacks
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -66,6 +82,50 @@ def run_torchrun(script, args: Sequence[str] = (), nproc: int = 2, timeout: floa
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc
+
+
+def run_ranks(script, args: Sequence[str] = (), nproc: int = 2, timeout: float = 120, env=None, cwd=None,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """``script args`` on ``nproc`` ranks with the environment torchrun gives its workers, forked from one fresh
+    interpreter that imported torch once (``tests/rank_forker.py`` says what it does and does not do like torchrun).
+
+    Output, exit status (1 when a rank failed), ``check`` and ``timeout`` as ``run_torchrun``; at a timeout every
+    rank prints its Python stacks before it is killed, and the error shows all the ranks' output. Tests whose subject
+    is torchrun itself stay on ``run_torchrun`` (the module's docstring lists them).
+    """
+    cmd = [sys.executable, str(REPO / "tests" / "rank_forker.py"), str(nproc), str(free_port()), str(script),
+           *map(str, args)]
+    proc = _run_group(cmd, timeout, _env(env), cwd or REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def _run_group(cmd, timeout: float, env, cwd) -> subprocess.CompletedProcess:
+    """``_run`` for rank_forker, which starts processes of its own: it and they form a session. At the timeout it
+    is asked for its ranks' stacks (SIGUSR1), and then the whole session is killed."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            try:
+                proc.communicate(timeout=STACKS_S)  # the stacks, written from signal handlers
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(proc, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"timed out after {timeout} s: {' '.join(map(str, cmd))}\nstdout:\n{out}\n"
+                                 f"stderr:\n{err}") from None
+        finally:
+            _signal_group(proc, signal.SIGKILL)  # after an error here (pytest-timeout's, a Ctrl-C) no rank runs on
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    if proc.returncode is None:  # not reaped yet, so its process group still exists
+        os.killpg(proc.pid, signum)
 
 
 def run_python(script, args: Sequence[str] = (), timeout: float = 120, env=None, cwd=None,

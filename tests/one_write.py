@@ -12,7 +12,7 @@ to ``spawn``. Only the source is read; no process is started.
 import ast
 import textwrap
 
-MARKERS = ("run_torchrun", "torch.distributed.run")  # how the tests start several ranks
+MARKERS = ("run_torchrun", "run_ranks", "torch.distributed.run")  # how the tests start several ranks
 STREAMS = ("sys.stdout", "sys.stderr")
 
 

@@ -7,7 +7,7 @@ run, and so does a run resumed from one of its checkpoints."""
 from pathlib import Path
 
 import torch
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 
 from colossal_lite.checkpoint.manager import merge_checkpoint
 
@@ -105,7 +105,7 @@ def _tensors(tree, prefix=""):
 def test_async_zero3_saves_equal_the_synchronous_ones(tmp_path):
     script = tmp_path / "async_sharded.py"
     script.write_text(SCRIPT.format(tests=str(Path(__file__).parents[1])))
-    proc = run_torchrun(script, [tmp_path], nproc=2, timeout=180)
+    proc = run_ranks(script, [tmp_path], nproc=2, timeout=180)
     for r in (0, 1):
         assert f"rank{r} saves [3, 6, 9]" in proc.stdout, proc.stdout + proc.stderr
         assert f"rank{r} trainer equal [True, True]" in proc.stdout, proc.stdout + proc.stderr

@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 import torch
-from dist_helpers import run_python, run_torchrun
+from dist_helpers import run_python, run_ranks
 
 from colossal_lite.amp.amp_type import AMP_TYPE
 from colossal_lite.checkpoint import (
@@ -286,7 +286,7 @@ def test_two_ranks_write_shared_state_once_and_their_own_state_each(tmp_path):
     script = tmp_path / "two_ranks.py"
     script.write_text(_TWO_RANKS)
     d = tmp_path / "ck"
-    out = run_torchrun(script, [d], nproc=2, timeout=120).stdout
+    out = run_ranks(script, [d], nproc=2, timeout=120).stdout
     for r in (0, 1):
         assert f"rank{r} saved epoch0-step5 files=['meta.json', 'rank0.pt', 'rank1.pt', 'shared.pt']" in out, out
         assert (f"rank{r} loaded step=5 w=[0.0, 1.0, 2.0, 3.0, 4.0, 5.0] rank={r} noise=[{float(r)}, {float(r)}]"

@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 import torch
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -236,7 +236,7 @@ def test_two_ranks_agree_on_a_damaged_rank_file(tmp_path):
     script = tmp_path / "two_ranks_damage.py"
     script.write_text(_TWO_RANKS)
     d = tmp_path / "ck"
-    out = run_torchrun(script, [d], nproc=2, timeout=90).stdout
+    out = run_ranks(script, [d], nproc=2, timeout=90).stdout
     damaged = f"checkpoint file {d / 'epoch0-step2' / 'rank1.pt'} is damaged"
     assert f"rank0 auto epoch0-step1 step=1 mine=10.0 warned=['{damaged[:60]}']" in out, out
     assert "rank1 auto epoch0-step1 step=1 mine=11.0 warned=[]" in out, out  # the warning is rank 0's

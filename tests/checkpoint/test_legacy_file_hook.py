@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from dist_helpers import REPO, _env, run_python, run_torchrun
+from dist_helpers import REPO, _env, run_python, run_ranks
 from torch import nn
 
 import colossal_lite
@@ -276,7 +276,7 @@ TWO_RANKS = textwrap.dedent("""
 def test_two_ranks_rank_0_writes_the_file_and_both_load_file_and_folder(tmp_path):
     script = tmp_path / "two.py"
     script.write_text(TWO_RANKS)
-    out = run_torchrun(script, [tmp_path], nproc=2, timeout=180).stdout
+    out = run_ranks(script, [tmp_path], nproc=2, timeout=180).stdout
     for rank in (0, 1):
         for where in ("ck.pt", "ckdir"):
             assert f"rank {rank} {where} epoch=1 same=True" in out, out

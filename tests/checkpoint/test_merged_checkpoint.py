@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 
 from colossal_lite.checkpoint import CheckpointDamagedError, CheckpointError, CheckpointManager
 from colossal_lite.checkpoint.cli import main as ckpt_main
@@ -133,7 +133,7 @@ def stage3_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("merged")
     script = tmp / "train.py"
     script.write_text(SCRIPT)
-    run_torchrun(script, [tmp / "ck", tmp / "results.json"], nproc=2, timeout=150)
+    run_ranks(script, [tmp / "ck", tmp / "results.json"], nproc=2, timeout=150)
     return tmp / "ck", json.loads((tmp / "results.json").read_text())
 
 

@@ -283,11 +283,11 @@ SAVE_TWO_RANKS = COMMON + textwrap.dedent("""
 
 
 def test_resuming_a_two_rank_checkpoint_on_one_rank_warns_that_the_epochs_train_metrics_start_there(tmp_path):
-    from dist_helpers import run_torchrun
+    from dist_helpers import run_ranks
 
     script = tmp_path / "save.py"
     script.write_text(SAVE_TWO_RANKS)
-    run_torchrun(script, [tmp_path / "ck"], timeout=90)
+    run_ranks(script, [tmp_path / "ck"], timeout=90)
     mid = tmp_path / "ck" / "epoch0-step5"
     assert sorted(p.name for p in mid.iterdir()) == ["meta.json", "rank0.pt", "rank1.pt", "shared.pt"]
     namespace = {}

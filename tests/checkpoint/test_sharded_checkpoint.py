@@ -7,7 +7,7 @@ import zlib
 from pathlib import Path
 
 import torch
-from dist_helpers import run_python, run_torchrun
+from dist_helpers import run_python, run_ranks
 
 SCRIPT = r'''
 import json, sys
@@ -61,7 +61,7 @@ def test_sharded_checkpoint_resumes_on_two_ranks_and_on_one_after_merge(tmp_path
     script = tmp_path / "sharded.py"
     script.write_text(SCRIPT.format(tests=str(Path(__file__).parents[1])))
     ckpt = tmp_path / "ckpt"
-    run_torchrun(script, ["save", ckpt, tmp_path / "full.json"], nproc=2, timeout=180)
+    run_ranks(script, ["save", ckpt, tmp_path / "full.json"], nproc=2, timeout=180)
     folder = ckpt / "epoch0-step3"
     shards = sorted(p.name for p in (folder / "sharded").iterdir())
     assert ".metadata" in shards and len([s for s in shards if s.endswith(".distcp")]) == 2  # one file per rank
@@ -70,7 +70,7 @@ def test_sharded_checkpoint_resumes_on_two_ranks_and_on_one_after_merge(tmp_path
     # every file has its checksum, the shards' too (each rank checksums its share of them)
     assert meta["checksums"] == {name: f"crc32:{zlib.crc32((folder / name).read_bytes()):08x}" for name in meta["files"]}
 
-    run_torchrun(script, ["resume", ckpt, tmp_path / "resumed.json"], nproc=2, timeout=180)
+    run_ranks(script, ["resume", ckpt, tmp_path / "resumed.json"], nproc=2, timeout=180)
     merged = subprocess.run([sys.executable, "-m", "colossal_lite.cli", "ckpt", "merge", str(folder),
                              str(ckpt / "merged.pt")], capture_output=True, text=True)
     assert merged.returncode == 0, merged.stderr

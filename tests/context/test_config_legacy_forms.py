@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 import torch
-from dist_helpers import run_python, run_torchrun
+from dist_helpers import run_python, run_ranks
 
 from colossal_lite.context import ConfigException
 from colossal_lite.launch import load_config
@@ -114,7 +114,7 @@ def test_no_zero_count_without_the_option(tmp_path):
 def test_two_ranks_rank_0_logs_the_count_of_the_reduced_gradients(tmp_path):
     script = tmp_path / "naive.py"
     script.write_text(SCRIPT)
-    out = run_torchrun(script, ["on"], nproc=2, timeout=180).stdout
+    out = run_ranks(script, ["on"], nproc=2, timeout=180).stdout
     assert "rank 1 step 2 done" in out and "rank 0 step 2 done" in out
     lines = [line for line in out.splitlines() if "gradient elements are zero" in line]
     assert len(lines) == 3, out  # rank 0 only, once per update

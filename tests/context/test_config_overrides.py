@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from dist_helpers import doc_python_blocks, run_torchrun
+from dist_helpers import doc_python_blocks, run_ranks, run_torchrun
 
 import colossal_lite
 from colossal_lite.context import Config, ConfigException
@@ -116,7 +116,7 @@ print("SEEN " + json.dumps(seen) + "\\n", end="", flush=True)  # one write: the 
 def test_launch_from_torch_applies_the_parsers_set_on_every_rank(tmp_path, config_file):
     script = tmp_path / "train.py"
     script.write_text(LAUNCH_SCRIPT)
-    proc = run_torchrun(script, ["--config", config_file, "--set", "fp16.mode=bf16", "--set", "zero.stage=1",
+    proc = run_ranks(script, ["--config", config_file, "--set", "fp16.mode=bf16", "--set", "zero.stage=1",
                                  "--set", "BATCH_SIZE=64"], nproc=2, cwd=tmp_path)
     seen = sorted((json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("SEEN ")),
                   key=lambda s: s["rank"])
@@ -129,7 +129,7 @@ def test_launch_from_torch_applies_the_parsers_set_on_every_rank(tmp_path, confi
 def test_launch_from_torch_refuses_a_misspelt_override_before_starting(tmp_path, config_file):
     script = tmp_path / "train.py"
     script.write_text(LAUNCH_SCRIPT)
-    proc = run_torchrun(script, ["--config", config_file, "--set", "clip_grad_nrom=1.0"], nproc=2, cwd=tmp_path,
+    proc = run_ranks(script, ["--config", config_file, "--set", "clip_grad_nrom=1.0"], nproc=2, cwd=tmp_path,
                         check=False)
     assert proc.returncode != 0
     assert "--set clip_grad_nrom=1.0: config key 'clip_grad_nrom'" in proc.stderr, proc.stderr[-3000:]

@@ -3,7 +3,7 @@ import json
 from pathlib import Path
 
 import torch
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 from engine_helpers import make_batches, make_model
 
 import colossal_lite
@@ -83,7 +83,7 @@ def test_two_ranks_agree_on_the_split(tmp_path):
         "import torch\n" + __import__("inspect").getsource(OOMAbove))
     script = tmp_path / "auto_rank.py"
     script.write_text(RANK_SCRIPT.format(tests=str(tests), out=str(tmp_path / "res")))
-    run_torchrun(script, nproc=2, timeout=180)
+    run_ranks(script, nproc=2, timeout=180)
     r0, r1 = (json.loads((tmp_path / f"res.{r}").read_text()) for r in (0, 1))
     assert r0["parts"] == r1["parts"] == 2  # rank 1's limit of 2 forced both ranks to 2 parts of 2
     ref = make_model()

@@ -2,7 +2,7 @@
 import json
 
 import torch
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 from engine_helpers import make_batches, make_model
 
 RANK_SCRIPT = r'''
@@ -44,7 +44,7 @@ def test_two_ranks_equal_one_process_on_whole_batch(tmp_path):
     out = tmp_path / "result"
     script = tmp_path / "ddp_rank.py"
     script.write_text(RANK_SCRIPT.format(tests=str(__import__("pathlib").Path(__file__).parents[1]), out=str(out)))
-    run_torchrun(script, nproc=2, timeout=180)
+    run_ranks(script, nproc=2, timeout=180)
 
     # one process, whole batches, same accumulation and clipping
     model = make_model(seed=0)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import dcgan_loop
 import pytest
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 
 TESTS = Path(__file__).parents[1]
 
@@ -23,6 +23,6 @@ def test_dcgan_update_equals_the_original_in_one_process(launched):
 
 @pytest.mark.timeout(240)
 def test_dcgan_update_equals_the_original_with_ddp_on_two_ranks(tmp_path):
-    run_torchrun(TESTS / "dcgan_loop.py", [tmp_path / "result"], nproc=2, timeout=180)
+    run_ranks(TESTS / "dcgan_loop.py", [tmp_path / "result"], nproc=2, timeout=180)
     for rank in (0, 1):
         _assert_same(json.loads((tmp_path / f"result.rank{rank}").read_text()), f"rank {rank}")

@@ -5,7 +5,7 @@ import json
 import textwrap
 
 import pytest
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 
 SCRIPT = textwrap.dedent('''
     import json, sys
@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent('''
 def test_every_rank_reads_the_config_line_that_fixes_it(tmp_path, loop):
     script = tmp_path / "unused.py"
     script.write_text(SCRIPT)
-    run_torchrun(script, [loop, tmp_path], nproc=2, timeout=180)
+    run_ranks(script, [loop, tmp_path], nproc=2, timeout=180)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         error = result.get("error", "")
@@ -72,6 +72,6 @@ def test_every_rank_reads_the_config_line_that_fixes_it(tmp_path, loop):
 def test_the_fix_it_names_trains(tmp_path):
     script = tmp_path / "unused.py"
     script.write_text(SCRIPT)
-    run_torchrun(script, ["trainer", tmp_path, "torch_ddp.find_unused_parameters=True"], nproc=2, timeout=180)
+    run_ranks(script, ["trainer", tmp_path, "torch_ddp.find_unused_parameters=True"], nproc=2, timeout=180)
     for rank in (0, 1):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"updates": 3}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import exact_loop
 import pytest
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 
 TESTS = Path(__file__).parents[1]
 
@@ -22,7 +22,7 @@ TESTS = Path(__file__).parents[1]
 def two_ranks(tmp_path_factory):
     """All data-parallel cases in one 2-rank launch; each rank's results."""
     out = tmp_path_factory.mktemp("exact_loop") / "result"
-    run_torchrun(TESTS / "exact_loop.py", [out, ",".join(exact_loop.PARALLEL)], nproc=2, timeout=300)
+    run_ranks(TESTS / "exact_loop.py", [out, ",".join(exact_loop.PARALLEL)], nproc=2, timeout=300)
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1)]
 
 

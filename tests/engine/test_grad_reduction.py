@@ -157,11 +157,11 @@ def test_per_token_mean_across_two_ranks(tmp_path):
     import json
     from pathlib import Path
 
-    from dist_helpers import run_torchrun
+    from dist_helpers import run_ranks
 
     script = tmp_path / "tokens_rank.py"
     script.write_text(RANK_SCRIPT.format(here=str(Path(__file__).parent), out=str(tmp_path / "r")))
-    run_torchrun(script, nproc=2, timeout=180)
+    run_ranks(script, nproc=2, timeout=180)
     batches = token_batches()
     ref = build()
     everything = [batches[0], batches[1], batches[2], batches[2]]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from dist_helpers import REPO, run_torchrun
+from dist_helpers import REPO, run_ranks
 from optional_packages import require_transformers
 
 require_transformers("the Hugging Face rows train tiny GPT-2 and BERT models", module_level=True)
@@ -49,7 +49,7 @@ def test_one_process_equals_the_hand_loop(launched, case):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf") / "result"
-    run_torchrun(REPO / "tests" / "hf_loop.py", [out], nproc=2, timeout=400)
+    run_ranks(REPO / "tests" / "hf_loop.py", [out], nproc=2, timeout=400)
     return [json.loads(out.with_name(f"result.rank{r}").read_text()) for r in range(2)]
 
 

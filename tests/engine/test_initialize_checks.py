@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import run_python, run_torchrun
+from dist_helpers import run_python, run_ranks
 from engine_helpers import make_model
 
 import colossal_lite
@@ -43,7 +43,7 @@ def test_forgetting_launch_under_torchrun_fails_on_every_rank_and_a_plain_run_st
     script = tmp_path / "no_launch.py"
     script.write_text(NO_LAUNCH)
     out = tmp_path / "result"
-    run_torchrun(script, [out], nproc=2, timeout=60)
+    run_ranks(script, [out], nproc=2, timeout=60)
     for rank in (0, 1):
         msg = Path(f"{out}.{rank}").read_text()
         assert msg.startswith("error: initialize: this process is one of 2 started together (WORLD_SIZE=2)"), msg

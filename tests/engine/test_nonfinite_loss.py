@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 from engine_helpers import make_batches, make_model
 from sync_counter import count_syncs
 
@@ -215,7 +215,7 @@ def two_rank_results(tmp_path_factory):
         (out / mode).mkdir()
     script = out / "nan_two_ranks.py"
     script.write_text(TWO_RANKS)
-    run_torchrun(script, [out, *modes], nproc=2, timeout=180)
+    run_ranks(script, [out, *modes], nproc=2, timeout=180)
     return {mode: [json.loads((out / mode / f"rank{r}.json").read_text()) for r in (0, 1)] for mode in modes}
 
 

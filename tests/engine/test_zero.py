@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 
 RANK_SCRIPT = r'''
 import json, sys
@@ -63,7 +63,7 @@ def zero_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero")
     script = tmp / "zero_rank.py"
     script.write_text(RANK_SCRIPT.format(tests=str(Path(__file__).parents[1]), out=str(tmp / "result")))
-    run_torchrun(script, nproc=2, timeout=240)
+    run_ranks(script, nproc=2, timeout=240)
     return [json.loads((tmp / f"result.rank{r}").read_text()) for r in (0, 1)]
 
 

@@ -6,7 +6,7 @@ import re
 import textwrap
 
 import pytest
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 
 from colossal_lite.logging import disable_existing_loggers, get_dist_logger
 from colossal_lite.logging import logger as logger_module
@@ -190,7 +190,7 @@ def test_rank_filtering_in_two_processes(tmp_path):
     script = tmp_path / "log_two.py"
     script.write_text(TWO_PROCESS_SCRIPT)
     logs = tmp_path / "logs"
-    proc = run_torchrun(script, [logs], nproc=2, timeout=120)
+    proc = run_ranks(script, [logs], nproc=2, timeout=120)
     assert not ANSI.search(proc.stdout) and not ANSI.search(proc.stderr)  # a pipe, not a terminal: plain lines
     printed = sorted(line.split("MSG ", 1)[1] for line in proc.stdout.splitlines() if "MSG " in line)
     expected = sorted([

@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 import torch
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 from torch import nn
 
 from colossal_lite.nn import CheckpointModule
@@ -203,5 +203,5 @@ TWO_RANKS = textwrap.dedent("""
 def test_two_ranks_checkpointed_model_equals_plain_under_data_parallel(tmp_path):
     script = tmp_path / "two_ranks.py"
     script.write_text(TWO_RANKS)
-    proc = run_torchrun(script, nproc=2, timeout=180)
+    proc = run_ranks(script, nproc=2, timeout=180)
     assert proc.stdout.count("OK") == 2

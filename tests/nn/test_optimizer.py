@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 from engine_helpers import make_batches, make_model
 from torch import nn
 
@@ -287,7 +287,7 @@ gpc.destroy()
 def test_zero_stage_1_shards_the_legacy_optimizers_on_two_ranks(tmp_path):
     script = tmp_path / "zero_rank.py"
     script.write_text(ZERO_SCRIPT.format(tests=str(Path(__file__).parents[1]), out=str(tmp_path / "result")))
-    run_torchrun(script, nproc=2, timeout=240)
+    run_ranks(script, nproc=2, timeout=240)
     results = [json.loads((tmp_path / f"result.rank{r}").read_text()) for r in (0, 1)]
     assert results[0] == results[1]  # the ranks agree
     for name in ("fused_adam", "lamb", "lars"):

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from dist_helpers import doc_python_blocks, run_python, run_torchrun
+from dist_helpers import doc_python_blocks, run_python, run_ranks
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import TensorDataset
@@ -300,7 +300,7 @@ def test_two_ranks_ddp_have_one_ema_best_and_match_one_process(tmp_path):
     for name in ("single", "dist"):
         (tmp_path / name).mkdir()
     run_python(script, [tmp_path / "single", tmp_path / "single" / "ck"], timeout=120)
-    proc = run_torchrun(script, [tmp_path / "dist", tmp_path / "dist" / "ck", "launch"], nproc=2, timeout=180)
+    proc = run_ranks(script, [tmp_path / "dist", tmp_path / "dist" / "ck", "launch"], nproc=2, timeout=180)
     for r in (0, 1):
         assert f"rank {r}: best " in proc.stdout and "equals the exported one: True" in proc.stdout.split(
             f"rank {r}: ")[1].splitlines()[0], proc.stdout + proc.stderr[-3000:]

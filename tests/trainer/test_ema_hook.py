@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 import torch
-from dist_helpers import doc_python_blocks, run_python, run_torchrun
+from dist_helpers import doc_python_blocks, run_python, run_ranks
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -159,7 +159,7 @@ ZERO_SCRIPT = textwrap.dedent("""
 def test_zero_stage_1_averages_as_ddp_and_a_sharded_model_is_refused_on_every_rank(tmp_path):
     script = tmp_path / "ema_zero.py"
     script.write_text(ZERO_SCRIPT)
-    out = run_torchrun(script, [json.dumps([None, {"stage": 1}])], nproc=2, timeout=180).stdout
+    out = run_ranks(script, [json.dumps([None, {"stage": 1}])], nproc=2, timeout=180).stdout
     runs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     ddp = [r for r in runs if r["zero"] is None]
     zero1 = [r for r in runs if r["zero"] is not None]
@@ -170,7 +170,7 @@ def test_zero_stage_1_averages_as_ddp_and_a_sharded_model_is_refused_on_every_ra
         torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-6)
     assert zero1[0]["test"] == pytest.approx(ddp[0]["test"], rel=1e-5)  # evaluated on the average, as under DDP
 
-    refused = run_torchrun(script, [json.dumps([{"stage": 2}])], nproc=2, timeout=180, check=False)
+    refused = run_ranks(script, [json.dumps([{"stage": 2}])], nproc=2, timeout=180, check=False)
     assert refused.returncode != 0
     message = "EMAHook cannot average a model sharded by FSDP2 (zero stage 2 or 3)"
     assert refused.stderr.count(message) >= 2, refused.stderr  # each rank says it (none hangs waiting)

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 from engine_helpers import make_batches, make_model
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
@@ -145,7 +145,7 @@ def _loss(ref):
 def test_two_ranks_give_one_process_figures(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
-    run_torchrun(script, [tmp_path], nproc=2, timeout=180)
+    run_ranks(script, [tmp_path], nproc=2, timeout=180)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["world"] == 2
     for name in ("history_acc", "history_loss", "saved", "stopping_best"):

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 from hook_helpers import crash_at
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -235,7 +235,7 @@ TWO_RANKS = textwrap.dedent('''
 def test_two_ranks_record_the_same_history_and_rank_0_writes_the_file(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(TWO_RANKS)
-    proc = run_torchrun(script, [tmp_path / "out"], nproc=2, timeout=120)
+    proc = run_ranks(script, [tmp_path / "out"], nproc=2, timeout=120)
     ranks = {r["rank"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
     assert sorted(ranks) == [0, 1]
     assert ranks[0]["history"] == ranks[1]["history"]
@@ -300,7 +300,7 @@ DRAIN = textwrap.dedent('''
 def test_draining_averages_only_the_series_that_ask_for_it_over_two_ranks(tmp_path):
     script = tmp_path / "drain.py"
     script.write_text(DRAIN)
-    proc = run_torchrun(script, nproc=2, timeout=120)
+    proc = run_ranks(script, nproc=2, timeout=120)
     got = {r["rank"]: r["points"] for r in (json.loads(line) for line in proc.stdout.splitlines()
                                             if line.startswith("{"))}
     for r in (0, 1):

@@ -12,7 +12,7 @@ import runpy
 import textwrap
 
 import pytest
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 
 SCRIPT = textwrap.dedent('''
     import json, re, sys
@@ -134,5 +134,5 @@ def test_logged_lr_equals_the_optimizers_at_every_epoch_one_process(tmp_path, mo
 def test_logged_lr_equals_the_optimizers_at_every_epoch_two_ranks(tmp_path):
     script = tmp_path / "lr_script.py"
     script.write_text(SCRIPT)
-    run_torchrun(script, [tmp_path, "lite", "step", "launch"], nproc=2, timeout=120)
+    run_ranks(script, [tmp_path, "lite", "step", "launch"], nproc=2, timeout=120)
     _check(tmp_path, by_epoch=False)

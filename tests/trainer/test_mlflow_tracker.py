@@ -173,13 +173,13 @@ gpc.destroy()
 def test_two_ranks_make_one_mlflow_run_that_every_rank_knows(tmp_path, monkeypatch):
     import json
 
-    from dist_helpers import run_torchrun
+    from dist_helpers import run_ranks
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     script = tmp_path / "run.py"
     script.write_text(TWO_RANKS)
     uri = (tmp_path / "mlruns").as_uri()
-    proc = run_torchrun(script, [uri, tmp_path / "ck"], timeout=180)
+    proc = run_ranks(script, [uri, tmp_path / "ck"], timeout=180)
     ranks = {r["rank"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
     assert sorted(ranks) == [0, 1] and ranks[0]["run_id"] == ranks[1]["run_id"] is not None
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)

@@ -5,7 +5,7 @@ import sys
 import textwrap
 
 import torch
-from dist_helpers import doc_python_blocks, run_python, run_torchrun
+from dist_helpers import doc_python_blocks, run_python, run_ranks
 from torch import nn
 
 import colossal_lite
@@ -54,7 +54,7 @@ def test_two_ranks_return_exactly_the_one_process_result(tmp_path, monkeypatch):
     dist_dir.mkdir()
     monkeypatch.setattr(sys, "argv", [str(script), str(single_dir)])
     runpy.run_path(str(script), run_name="__main__")
-    run_torchrun(script, [dist_dir, "launch"], nproc=2, timeout=120)
+    run_ranks(script, [dist_dir, "launch"], nproc=2, timeout=120)
     single = torch.load(single_dir / "rank0.pt")
     ranks = [torch.load(dist_dir / f"rank{r}.pt") for r in (0, 1)]
     assert single["world"] == 1 and ranks[0]["world"] == 2

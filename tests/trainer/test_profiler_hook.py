@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from dist_helpers import doc_python_blocks, run_python, run_torchrun
+from dist_helpers import doc_python_blocks, run_python, run_ranks
 from hook_helpers import sigterm_at
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -236,7 +236,7 @@ SCRIPT = textwrap.dedent('''
 def test_two_ranks_rank_0_writes_by_default_and_every_rank_with_ranks_none(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
-    proc = run_torchrun(script, [tmp_path], nproc=2, timeout=180)
+    proc = run_ranks(script, [tmp_path], nproc=2, timeout=180)
     out = proc.stdout + proc.stderr
     assert sorted(p.name for p in (tmp_path / "default").iterdir()) == ["rank0.steps3-4.pt.trace.json"]
     assert sorted(p.name for p in (tmp_path / "every").iterdir()) == \

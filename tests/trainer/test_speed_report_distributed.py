@@ -3,7 +3,7 @@ report says so first; every rank records the same reduced figures, and only rank
 import json
 import textwrap
 
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 
 SCRIPT = textwrap.dedent('''
     import json, sys
@@ -44,7 +44,7 @@ SCRIPT = textwrap.dedent('''
 def test_two_ranks_big_model_accumulation_1_is_named_communication_bound(tmp_path):
     script = tmp_path / "speed_two_ranks.py"
     script.write_text(SCRIPT)
-    proc = run_torchrun(script, [tmp_path], nproc=2, timeout=180)
+    proc = run_ranks(script, [tmp_path], nproc=2, timeout=180)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["first"] == "communication", ranks[0]["report"]
     assert "gradient_accumulation" in ranks[0]["suggestion"] and "ZeRO" in ranks[0]["suggestion"]

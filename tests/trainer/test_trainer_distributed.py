@@ -5,7 +5,7 @@ import sys
 import textwrap
 
 import pytest
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 
 SCRIPT = textwrap.dedent('''
     import contextlib, io, json, sys
@@ -69,7 +69,7 @@ def test_two_ranks_match_one_process_and_stop_together(tmp_path, monkeypatch):
     dist_dir.mkdir()
     monkeypatch.setattr(sys, "argv", [str(script), str(single_dir), "8"])
     runpy.run_path(str(script), run_name="__main__")  # the same script as one process, here (no torchrun)
-    run_torchrun(script, [dist_dir, 8, "launch"], nproc=2, timeout=120)
+    run_ranks(script, [dist_dir, 8, "launch"], nproc=2, timeout=120)
     single = json.loads((single_dir / "rank0.json").read_text())
     ranks = [json.loads((dist_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
 

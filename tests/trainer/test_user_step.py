@@ -15,7 +15,7 @@ import pytest
 import torch
 import user_step_programs as programs
 import word_language_model_loop as lm
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 from sync_counter import count_syncs
 from torch import nn
 
@@ -70,7 +70,7 @@ def test_word_language_model_under_fit_equals_the_hand_loop():
 
 @pytest.mark.timeout(300)
 def test_the_programs_on_two_ranks_equal_their_hand_loops_and_resume_exactly(tmp_path):
-    run_torchrun(TESTS / "user_step_programs.py", [tmp_path / "result", tmp_path / "ck"], nproc=2, timeout=240)
+    run_ranks(TESTS / "user_step_programs.py", [tmp_path / "result", tmp_path / "ck"], nproc=2, timeout=240)
     results = [json.loads((tmp_path / f"result.rank{rank}").read_text()) for rank in (0, 1)]
     for rank, result in enumerate(results):
         _assert_gan_same(result["gan"], f"rank {rank}")

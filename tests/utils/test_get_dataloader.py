@@ -3,7 +3,7 @@ import json
 from pathlib import Path
 
 import torch
-from dist_helpers import run_torchrun
+from dist_helpers import run_ranks
 from torch.utils.data import Dataset
 
 from colossal_lite.utils import get_dataloader
@@ -27,7 +27,7 @@ def test_two_ranks_get_disjoint_shards_that_reshuffle(tmp_path):
     out = tmp_path / "order"
     script = tmp_path / "loader_rank.py"
     script.write_text(SCRIPT.format(out=str(out)))
-    run_torchrun(script, nproc=2, timeout=120)
+    run_ranks(script, nproc=2, timeout=120)
     r0 = json.loads(Path(f"{out}.0").read_text())
     r1 = json.loads(Path(f"{out}.1").read_text())
     for e in range(3):
@@ -35,7 +35,7 @@ def test_two_ranks_get_disjoint_shards_that_reshuffle(tmp_path):
         assert sorted(r0[e] + r1[e]) == list(range(10))  # disjoint, covering
     assert r0[0] != r0[1] or r0[1] != r0[2]  # a new order each epoch without set_epoch
     # same seed, same orders on a rerun
-    run_torchrun(script, nproc=2, timeout=120)
+    run_ranks(script, nproc=2, timeout=120)
     assert json.loads(Path(f"{out}.0").read_text()) == r0
 
 

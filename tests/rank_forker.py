@@ -1,0 +1,141 @@
+"""Run a script on N ranks the way torchrun's workers run, from one interpreter that imports torch once.
+
+``python tests/rank_forker.py NPROC PORT SCRIPT [ARGS...]``: this process imports torch and colossal_lite, then
+forks NPROC ranks. Each rank has the variables torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ..., MASTER_ADDR=127.0.0.1, MASTER_PORT=PORT) and runs SCRIPT as a
+fresh ``__main__`` module with ``sys.argv == [SCRIPT, *ARGS]`` and the script's folder first on ``sys.path``, as
+``python -u SCRIPT ARGS`` would. A rank ends the way an interpreter ends: ``SystemExit`` gives its status, an
+uncaught exception prints its traceback and gives status 1, and exit handlers and finalization run. The ranks
+write to this process's stdout and stderr, which are theirs too, as torchrun's workers write to its own.
+
+Like torchrun, once a rank fails the others are stopped (SIGTERM, then SIGKILL after ``STOP_GRACE_S``), each
+failed rank is named on stderr and the exit status is 1; it is 0 when every rank exits 0.
+
+What it does not do, so tests whose subject is one of these stay on torchrun (``tests/dist_helpers.py`` lists
+them): no agent or agent store (rank 0's process group hosts the store), no ``TORCHELASTIC_*`` variables (so
+``colossal_lite.launch.under_torchrun()`` is False), no restarts, no forwarding of signals sent to this process.
+"""
+import builtins
+import faulthandler
+import gc
+import os
+import signal
+import sys
+import time
+import types
+
+import torch  # noqa: F401  imported once here, before the forks: this is what the ranks do not pay for again
+import torch._dynamo  # noqa: F401  DDP imports it
+import torch.distributed  # noqa: F401
+
+import colossal_lite  # noqa: F401
+import colossal_lite.trainer  # noqa: F401
+
+STOP_GRACE_S = 30.0  # torchrun's own wait between SIGTERM and SIGKILL when it stops the workers of a failed job
+POLL_S = 0.02
+STACKS_S = 0.3  # for one rank to print its stacks before the next is asked
+
+
+def torchrun_env(rank: int, nproc: int, port: int) -> dict:
+    """The variables torchrun's agent gives worker ``rank`` of a one-node job of ``nproc`` workers."""
+    env = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc, GROUP_RANK=0, GROUP_WORLD_SIZE=1,
+               ROLE_RANK=rank, ROLE_WORLD_SIZE=nproc, ROLE_NAME="default", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    return {k: str(v) for k, v in env.items()}
+
+
+def run_as_main(script: str, args) -> None:
+    """Run ``script`` as ``python script args`` would, in this (forked) process; raise ``SystemExit`` at its end."""
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__, main.__cached__ = script, builtins, None
+    sys.modules["__main__"] = main
+    with open(script, "rb") as f:
+        code = compile(f.read(), script, "exec")
+    try:
+        exec(code, vars(main))
+    except (SystemExit, KeyboardInterrupt):
+        raise  # the interpreter's own handling: the status, or death by SIGINT
+    except BaseException:  # noqa: BLE001  what an interpreter does with an uncaught exception
+        kind, error, tb = sys.exc_info()
+        error.__traceback__ = tb.tb_next  # the script's frames only, as in a traceback of `python script`
+        sys.excepthook(kind, error, tb.tb_next)
+        raise SystemExit(1) from None
+    raise SystemExit(0)
+
+
+def fresh_random_state() -> None:
+    """numpy's global generator, seeded from the OS when numpy was imported here, would otherwise be the same in
+    every rank; in a new interpreter it is each process's own (Python's ``random`` reseeds itself after a fork)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def start_rank(rank: int, nproc: int, port: int, script: str, args) -> int:
+    pid = os.fork()
+    if pid == 0:  # the rank: its SystemExit leaves through this module's top level, a normal interpreter exit
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # its Python stacks, asked for at a timeout
+        fresh_random_state()
+        os.environ.update(torchrun_env(rank, nproc, port))
+        run_as_main(script, args)
+    return pid
+
+
+def ask_for_stacks(pids: dict) -> None:
+    """Each rank in turn prints its Python stacks (SIGUSR1 to this process asks, at a test's timeout), so the
+    ranks' stacks do not interleave."""
+    for pid, rank in list(pids.items()):
+        sys.stderr.write(f"rank_forker: the Python stacks of rank {rank} (pid {pid})\n")
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            continue
+        time.sleep(STACKS_S)
+
+
+def stop(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def wait_all(pids: dict) -> dict:
+    """``{rank: exit code}`` (``-signal`` for a rank killed by a signal); stops the rest once one fails."""
+    codes, running, kill_at = {}, dict(pids), None
+    while running:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            time.sleep(POLL_S)
+            if kill_at is not None and time.monotonic() > kill_at:
+                for other in running:
+                    os.kill(other, signal.SIGKILL)
+                kill_at = float("inf")
+            continue
+        codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+        if codes[pids[pid]] != 0 and kill_at is None:
+            stop(running)
+            kill_at = time.monotonic() + STOP_GRACE_S
+    return codes
+
+
+def main() -> int:
+    nproc, port, script, args = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    gc.freeze()  # the ranks leave what was imported here to the OS at exit instead of collecting it
+    pids = {}
+    signal.signal(signal.SIGUSR1, lambda signum, frame: ask_for_stacks(pids))  # each rank puts faulthandler's instead
+    for rank in range(nproc):
+        pids[start_rank(rank, nproc, port, script, args)] = rank
+    codes = wait_all(pids)
+    failed = {rank: code for rank, code in sorted(codes.items()) if code != 0}
+    for rank, code in failed.items():
+        how = f"signal {-code}" if code < 0 else f"status {code}"
+        sys.stderr.write(f"rank_forker: rank {rank} of {script} exited with {how}\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
