@@ -63,17 +63,11 @@ def memory(tmp_path_factory):
     script = tmp / "memory_rank.py"
     script.write_text(RANK_SCRIPT)
 
-<<<<<<< HEAD
     def launch(key):  # each mode in its own processes: the peak resident memory is per process
         mode, env = key
         out = tmp / (mode + ("-glibc" if env else ""))
-        run_torchrun(script, args=[mode, out], nproc=2, timeout=240, env=env)
+        run_ranks(script, args=[mode, out], nproc=2, timeout=240, env=env)
         return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1)]
-=======
-    def launch(mode):  # each mode in its own processes: the peak resident memory is per process
-        run_ranks(script, args=[mode, tmp / mode], nproc=2, timeout=180)
-        return [json.loads(Path(f"{tmp / mode}.rank{r}").read_text()) for r in (0, 1)]
->>>>>>> wt-suite
 
     keys = [(mode, None) for mode in MODES] + [(mode, GLIBC_DEFAULTS) for mode in GLIBC_MODES]
     with ThreadPoolExecutor(len(keys)) as pool:
