@@ -31,6 +31,7 @@ from colossal_lite.core import global_context as gpc
 
 REPO = Path(__file__).resolve().parents[1]
 STACKS_S = 2.0  # for the ranks of a launch that timed out to print their Python stacks
+TERMINATE_GRACE_S = 40.0  # torchrun waits 30 s for its workers to stop after SIGTERM before it kills them
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -64,13 +65,25 @@ def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 
 def _run(cmd, timeout: float, env, cwd) -> subprocess.CompletedProcess:
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        raise AssertionError(f"timed out after {timeout} s: {' '.join(map(str, cmd))}\nstdout:\n{out}\nstderr:\n{err}") from None
-    return proc
+    """Run ``cmd`` to its end, or fail at ``timeout`` with its output. A timed-out process is asked to stop
+    (SIGTERM, which torchrun passes on to its workers, each in a session of its own) before it is killed, so
+    that no worker of a hung test runs on beside the rest of the suite."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                out, err = proc.communicate(timeout=TERMINATE_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            raise AssertionError(f"timed out after {timeout} s: {' '.join(map(str, cmd))}\nstdout:\n{out}\n"
+                                 f"stderr:\n{err}") from None
+        finally:
+            if proc.returncode is None:  # an error here (pytest-timeout's, a Ctrl-C): nothing runs on
+                proc.kill()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_torchrun(script, args: Sequence[str] = (), nproc: int = 2, timeout: float = 120, env=None, cwd=None,
