@@ -150,6 +150,8 @@ class _Breakdown:
         return table
 
     def _build(self, point: str, handlers: Tuple[Callable, ...]) -> Tuple[Callable, ...]:
+        """One function for ``point``: this hook's own handlers, the others' each timed as its hook's, then the
+        phase that follows the point (none: the phase that ran before it goes on)."""
         timeline, hook = self.timeline, self.hook
         if point == "before_load":
             return (lambda: timeline.switch("h2d"),)
@@ -389,6 +391,8 @@ class SpeedReportHook(MetricHook):
         self._timing.after_backward()
 
     def before_test(self, trainer):
+        if not trainer.state.fitting:  # (evaluate() alone: the hook measures fits only)
+            return
         self._watch_syncs(False)
         for name in self._own["test"]:
             trainer.states["metrics"]["test"][name].reset()
@@ -396,6 +400,8 @@ class SpeedReportHook(MetricHook):
             self._eval_back = self._timing.timeline.switch("evaluation")
 
     def after_test(self, trainer):
+        if not trainer.state.fitting:
+            return
         self._stamp = time.perf_counter()  # (evaluation is not training time)
         if self._timing is not None:
             self._timing.timeline.switch(self._eval_back)
