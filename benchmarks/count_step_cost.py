@@ -8,6 +8,11 @@ the misses of a last-level cache (2 MiB by default; at bench_engine's width the 
 of that size between two steps). Counts repeat within about 0.5 % of the hand loop's total (a few thousand instructions per
 micro-step), so a change of the Trainer's overhead shows up in one run.
 
+The two Trainer contestants (``trainer``, and ``trainer+speed`` with ``SpeedReportHook()``) are also counted over
+a fit twice as long, in the same process: the difference of the two lengths is their work per micro-step, what is
+left of the shorter fit their work per fit (its start, epoch end, the report). Both are printed, and the hook's
+share of each (``SpeedReportHook per micro-step`` / ``per fit``).
+
     python benchmarks/count_step_cost.py [--steps 200] [--width 128] [--ll-kib 2048] [--keep-dumps DIR]
                                          [--nonfinite-loss raise|skip|ignore]
 
@@ -17,7 +22,8 @@ grows again every step) cost no instruction here; ``bench_engine.py`` prints the
 this machine's L2, so the kernels flush it as they do there (about 25 minutes).
 
 It needs valgrind, a C compiler and valgrind's ``callgrind.h`` (it builds a 2-function library that
-switches counting on and off around each contestant). One run takes about 5 minutes at width 128. The
+switches counting on and off around each contestant). One run takes about 10 minutes at width 128 on a calm
+machine (40 and more beside other engineers' work). The
 estimate ``cycles ~ Ir + 12 x L1 misses + 40 x LL misses`` is a rough guide to what the counts cost.
 """
 from __future__ import annotations
