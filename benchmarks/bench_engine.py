@@ -15,10 +15,12 @@ How it is measured (this machine is shared and noisy; instances of the same mode
 
     python benchmarks/bench_engine.py [--epochs 8] [--epoch-steps 600] [--block 20] [--runs 5]
                                       [--width 512] [--batch-size 64] [--hooks loss,acc,lr,step] [--no-progress]
-                                      [--nonfinite-loss raise|skip|ignore]
+                                      [--nonfinite-loss raise|skip|ignore] [--speed-report off|on|both]
 
 ``--hooks`` and ``--no-progress`` change only the Trainer (the other contestants stay as they are): an
 ablation of what each hook and the display cost, e.g. ``--hooks '' --no-progress`` for the bare loop.
+``--speed-report on`` adds ``SpeedReportHook()`` to the Trainer's hooks; ``both`` (with ``--runs K``) runs K
+pairs of processes, without and with it, interleaved, and prints the paired difference of Trainer - hand.
 
 One process's heap and code layout shifts every figure by up to tens of us (a CI within one run does not
 show it), so ``--runs K`` runs the whole measurement in K fresh processes one after another and reports,
@@ -65,6 +67,7 @@ class Workload:
     hooks: Tuple[str, ...] = HOOK_NAMES  # the Trainer's hooks (``--hooks``: an ablation leaves some out)
     progress: bool = True  # the Trainer's progress display (plain lines to /dev/null)
     nonfinite_loss: str = "raise"  # the config key for the engine and the Trainer (``--nonfinite-loss``)
+    speed_report: bool = False  # the Trainer with SpeedReportHook too (``--speed-report``)
 
     def config(self) -> dict:
         return dict(gradient_accumulation=self.accumulation, clip_grad_norm=self.clip,
@@ -147,7 +150,8 @@ def trainer_setup(w: Workload):
                                                    verbose=False)
     make = {"loss": hooks.LossHook, "acc": lambda: hooks.AccuracyHook(Accuracy()),
             "lr": lambda: hooks.LRSchedulerHook(sched, by_epoch=False), "step": hooks.LogMetricByStepHook}
-    return engine, sched, [make[name]() for name in HOOK_NAMES if name in w.hooks]
+    chosen = [make[name]() for name in HOOK_NAMES if name in w.hooks]
+    return engine, sched, chosen + ([hooks.SpeedReportHook(report=False)] if w.speed_report else [])
 
 
 class _TrainerSteps:
@@ -326,11 +330,13 @@ def median_ci(values: List[float]) -> Tuple[float, float, float]:
 
 def workload(args) -> Workload:
     return Workload(in_features=args.width, hidden=args.width, batch_size=args.batch_size,
-                    hooks=tuple(args.hooks), progress=not args.no_progress, nonfinite_loss=args.nonfinite_loss)
+                    hooks=tuple(args.hooks), progress=not args.no_progress, nonfinite_loss=args.nonfinite_loss,
+                    speed_report=args.speed_report == "on")
 
 
 def describe_trainer(w: Workload) -> str:
-    listed = ", ".join(HOOK_CLASSES[n] for n in HOOK_NAMES if n in w.hooks) or "no hooks"
+    listed = ", ".join([HOOK_CLASSES[n] for n in HOOK_NAMES if n in w.hooks] +
+                       (["SpeedReportHook"] if w.speed_report else [])) or "no hooks"
     return f"{listed}, progress {'on' if w.progress else 'off'}"
 
 
@@ -383,28 +389,44 @@ def measure(args) -> Dict[str, object]:
     return result
 
 
+def _run_process(args, speed_report: str, label: str) -> Dict[str, object]:
+    """One fresh process of ``measure`` -> its figures."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--epochs", str(args.epochs), "--epoch-steps",
+           str(args.epoch_steps), "--block", str(args.block), "--width", str(args.width), "--batch-size",
+           str(args.batch_size), "--hooks", ",".join(args.hooks), "--nonfinite-loss", args.nonfinite_loss,
+           "--speed-report", speed_report, "--json"]
+    if args.no_progress:
+        cmd.append("--no-progress")
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"run {label} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"run {label}: hand {run[BASELINE]:.1f} us; " + "; ".join(
+        f"{k} {run[k][0]:+.1f}" for k in map(" - ".join, PAIRS)) + "; page faults per micro-step "
+        + ", ".join(f"{k} {v:.1f}" for k, v in run["faults"].items()), flush=True)
+    return run
+
+
 def measure_in_processes(args) -> None:
-    """``--runs`` fresh processes, one after another; the median over runs of each paired median."""
-    runs = []
+    """``--runs`` fresh processes, one after another; the median over runs of each paired median. With
+    ``--speed-report both`` each run is a pair of processes, without and with the hook, one after the other."""
+    kinds = ("off", "on") if args.speed_report == "both" else (args.speed_report,)
+    runs: Dict[str, List[Dict[str, object]]] = {kind: [] for kind in kinds}
     for i in range(args.runs):
-        cmd = [sys.executable, os.path.abspath(__file__), "--epochs", str(args.epochs), "--epoch-steps",
-               str(args.epoch_steps), "--block", str(args.block), "--width", str(args.width), "--batch-size",
-               str(args.batch_size), "--hooks", ",".join(args.hooks), "--nonfinite-loss", args.nonfinite_loss, "--json"]
-        if args.no_progress:
-            cmd.append("--no-progress")
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise SystemExit(f"run {i + 1} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(f"run {i + 1}/{args.runs}: hand {runs[-1][BASELINE]:.1f} us; " + "; ".join(
-            f"{k} {runs[-1][k][0]:+.1f}" for k in map(" - ".join, PAIRS)) + "; page faults per micro-step "
-            + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1]["faults"].items()), flush=True)
-    print(f"median over {args.runs} runs (each run: median of paired block differences):")
-    print(f"  hand: {statistics.median(r[BASELINE] for r in runs):.1f} us per micro-step")
-    for name, ref in PAIRS:
-        key = f"{name} - {ref}"
-        values = [r[key][0] for r in runs]
-        print(f"  {key}: {statistics.median(values):+.1f} us (runs: {', '.join(f'{v:+.1f}' for v in values)})")
+        for kind in kinds:
+            runs[kind].append(_run_process(args, kind, f"{i + 1}/{args.runs}, SpeedReportHook {kind}"))
+    for kind in kinds:
+        print(f"median over {args.runs} runs, SpeedReportHook {kind} (each run: median of paired block differences):")
+        print(f"  hand: {statistics.median(r[BASELINE] for r in runs[kind]):.1f} us per micro-step")
+        for name, ref in PAIRS:
+            key = f"{name} - {ref}"
+            values = [r[key][0] for r in runs[kind]]
+            print(f"  {key}: {statistics.median(values):+.1f} us (runs: {', '.join(f'{v:+.1f}' for v in values)})")
+    if len(kinds) == 2:
+        key = f"trainer - {BASELINE}"
+        paired = [on[key][0] - off[key][0] for on, off in zip(runs["on"], runs["off"])]
+        print(f"SpeedReportHook on - off, {key} paired by run: {statistics.median(paired):+.1f} us "
+              f"(runs: {', '.join(f'{v:+.1f}' for v in paired)})")
 
 
 def main():
@@ -422,6 +444,9 @@ def main():
     parser.add_argument("--nonfinite-loss", default="raise", choices=("raise", "skip", "ignore"),
                         help="config nonfinite_loss of the engine and the Trainer ('ignore': without the loss guard)")
     parser.add_argument("--runs", type=int, default=1, help="fresh processes to measure in (median over them)")
+    parser.add_argument("--speed-report", default="off", choices=("off", "on", "both"),
+                        help="the Trainer with SpeedReportHook() too ('both', with --runs: each run a pair of "
+                             "processes, without and with it)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
     w = workload(args)
@@ -432,6 +457,8 @@ def main():
         parser.error("--epochs must be >= 2 (the first is warm-up)")
     if args.runs < 1:
         parser.error("--runs must be >= 1")
+    if args.speed_report == "both" and args.runs < 2:
+        parser.error("--speed-report both needs --runs >= 2 (each run is a pair of fresh processes)")
     if args.runs > 1:
         measure_in_processes(args)
         return

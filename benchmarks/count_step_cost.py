@@ -8,6 +8,11 @@ the misses of a last-level cache (2 MiB by default; at bench_engine's width the 
 of that size between two steps). Counts repeat within about 0.5 % of the hand loop's total (a few thousand instructions per
 micro-step), so a change of the Trainer's overhead shows up in one run.
 
+The two Trainer contestants (``trainer``, and ``trainer+speed`` with ``SpeedReportHook()``) are also counted over
+a fit twice as long, in the same process: the difference of the two lengths is their work per micro-step, what is
+left of the shorter fit their work per fit (its start, epoch end, the report). Both are printed, and the hook's
+share of each (``SpeedReportHook per micro-step`` / ``per fit``).
+
     python benchmarks/count_step_cost.py [--steps 200] [--width 128] [--ll-kib 2048] [--keep-dumps DIR]
                                          [--nonfinite-loss raise|skip|ignore]
 
@@ -17,7 +22,8 @@ grows again every step) cost no instruction here; ``bench_engine.py`` prints the
 this machine's L2, so the kernels flush it as they do there (about 25 minutes).
 
 It needs valgrind, a C compiler and valgrind's ``callgrind.h`` (it builds a 2-function library that
-switches counting on and off around each contestant). One run takes about 5 minutes at width 128. The
+switches counting on and off around each contestant). One run takes about 10 minutes at width 128 on a calm
+machine (40 and more beside other engineers' work). The
 estimate ``cycles ~ Ir + 12 x L1 misses + 40 x LL misses`` is a rough guide to what the counts cost.
 """
 from __future__ import annotations
@@ -31,7 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _TOGGLE_C = r"""
@@ -41,11 +47,16 @@ void count_stop(const char *name) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_DUMP_STA
 """
 _INNER = "COLOSSAL_LITE_COUNT_INNER"  # set in the process valgrind runs: it holds the toggle library's path
 CONTESTANTS = ("hand", "hand+", "engine", "trainer", "trainer+speed")  # +speed: with SpeedReportHook()
+#: The two Trainer contestants again over a fit twice as long: the difference of the two lengths is the work per
+#: micro-step, what is left the work of a fit (start, epoch end, the report).
+LONG = {"trainer": "trainer@2x", "trainer+speed": "trainer+speed@2x"}
+COUNTED = CONTESTANTS + tuple(LONG.values())
 EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 
 
 def _inner(steps: int, width: int, nonfinite_loss: str) -> None:
-    """Under valgrind: warm every contestant up, then count each over ``steps`` micro-steps."""
+    """Under valgrind: warm every contestant up, then count each over ``steps`` micro-steps (the Trainer's
+    also over ``2 * steps``, one fit each)."""
     import torch
 
     sys.path.insert(0, HERE)
@@ -57,6 +68,7 @@ def _inner(steps: int, width: int, nonfinite_loss: str) -> None:
     steps_by_name, trainer, hook_list = be.build_shared(w, steps)
     batches = w.batches()
     loader = [batches[i % len(batches)] for i in range(steps)]
+    long_loader = [batches[i % len(batches)] for i in range(2 * steps)]
     from colossal_lite.trainer.hooks import SpeedReportHook
 
     with_speed = hook_list + [SpeedReportHook()]
@@ -66,11 +78,12 @@ def _inner(steps: int, width: int, nonfinite_loss: str) -> None:
         for name in ("hand", "hand+", "engine"):
             for batch in loader:
                 steps_by_name[name](batch)
-        for name in CONTESTANTS:
+        for name in COUNTED:
             if name.startswith("trainer"):
-                hooks = with_speed if name == "trainer+speed" else hook_list
+                hooks = with_speed if name.startswith("trainer+speed") else hook_list
                 lib.count_start()
-                trainer.fit(loader, epochs=trainer.cur_epoch + 1, hooks=hooks, display_progress=True)
+                trainer.fit(long_loader if name in LONG.values() else loader, epochs=trainer.cur_epoch + 1,
+                            hooks=hooks, display_progress=True)
                 lib.count_stop(name.encode())
             else:
                 step = steps_by_name[name]
@@ -98,28 +111,13 @@ def _read_dumps(folder: str) -> Dict[str, List[int]]:
                     name = line.split(": ", 3)[-1].strip()
                 elif line.startswith("totals:"):
                     totals = [int(v) for v in line.split()[1:]]
-        if name in CONTESTANTS and totals:
+        if name in COUNTED and totals:
             counts[name] = totals
     return counts
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="micro-steps counted per contestant")
-    parser.add_argument("--width", type=int, default=128, help="features of the MLP (512 is bench_engine's; slow here)")
-    parser.add_argument("--ll-kib", type=int, default=2048, help="last-level cache size of the model, KiB")
-    parser.add_argument("--keep-dumps", metavar="DIR", help="copy callgrind's dumps (one per contestant) into DIR, "
-                                                          "for callgrind_annotate")
-    parser.add_argument("--nonfinite-loss", default="raise", choices=("raise", "skip", "ignore"),
-                        help="config nonfinite_loss of the engine and the Trainer ('ignore': without the loss guard)")
-    args = parser.parse_args()
-    if _INNER in os.environ:
-        _inner(args.steps, args.width, args.nonfinite_loss)
-        return
-    if args.ll_kib < 64 or args.ll_kib & (args.ll_kib - 1):
-        parser.error("--ll-kib must be a power of two, at least 64")
-    if args.steps < 20 or args.steps % 20:
-        parser.error("--steps must be a multiple of 20 (the hand+ loop prints every tenth of its epoch)")
+def _count(args) -> Dict[str, Dict[str, int]]:
+    """Run the contestants under callgrind -> {contestant: {event: total count}}."""
     valgrind, cc = _need("valgrind"), _need("cc")
     with tempfile.TemporaryDirectory(prefix="count_step_cost_") as tmp:
         source, lib = os.path.join(tmp, "toggle.c"), os.path.join(tmp, "libtoggle.so")
@@ -141,29 +139,65 @@ def main() -> None:
             os.makedirs(args.keep_dumps, exist_ok=True)
             for path in glob.glob(os.path.join(tmp, "callgrind.out.*")):
                 shutil.copy(path, args.keep_dumps)
-        if run.returncode != 0 or set(counts) != set(CONTESTANTS):
+        if run.returncode != 0 or set(counts) != set(COUNTED):
             raise SystemExit(f"the counted run failed (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
-    n = args.steps
-    rows = {}
-    for name, totals in counts.items():
-        c = dict(zip(EVENTS, totals))
-        l1 = c["I1mr"] + c["D1mr"] + c["D1mw"]
-        ll = c["ILmr"] + c["DLmr"] + c["DLmw"]
-        rows[name] = (c["Ir"] / n, l1 / n, ll / n, (c["Ir"] + 12 * l1 + 40 * ll) / n)
-    print(f"workload: MLP {args.width}->{args.width}->10, batch 64, accumulation 2, clip 1; {n} micro-steps per "
-          f"contestant, counted by callgrind (L1 32/48 KiB, LL {args.ll_kib} KiB)")
-    print(f"{'':>8}  {'Ir':>10} {'L1 miss':>9} {'LL miss':>8} {'~cycles':>10}   per micro-step")
-    base = rows["hand"]
+    return {name: dict(zip(EVENTS, totals)) for name, totals in counts.items()}
+
+
+def _costs(c: Dict[str, int]) -> Tuple[float, float, float, float]:
+    """(instructions, L1 misses, LL misses, ~cycles) of one dump's totals."""
+    l1 = c["I1mr"] + c["D1mr"] + c["D1mw"]
+    ll = c["ILmr"] + c["DLmr"] + c["DLmw"]
+    return c["Ir"], l1, ll, c["Ir"] + 12 * l1 + 40 * ll
+
+
+def _diff(a, b, scale: float = 1.0) -> str:
+    return " ".join(f"{(x - y) / scale:+.0f}" for x, y in zip(a, b))
+
+
+def _report(counts: Dict[str, Dict[str, int]], n: int) -> None:
+    """Per micro-step rows of the contestants, then the Trainer's fits split into per micro-step and per fit."""
+    totals = {name: _costs(c) for name, c in counts.items()}
+    rows = {name: tuple(v / n for v in totals[name]) for name in CONTESTANTS}
+    print(f"{'':>8}  {'Ir':>10} {'L1 miss':>9} {'LL miss':>8} {'~cycles':>10}   per micro-step (one fit of {n})")
     for name in CONTESTANTS:
-        r = rows[name]
-        line = f"{name:>8}  {r[0]:10.0f} {r[1]:9.0f} {r[2]:8.0f} {r[3]:10.0f}"
-        if name != "hand":
-            line += "   vs hand: " + " ".join(f"{a - b:+.0f}" for a, b in zip(r, base))
-        print(line)
-    t, hp = rows["trainer"], rows["hand+"]
-    print("trainer vs hand+: " + " ".join(f"{a - b:+.0f}" for a, b in zip(t, hp)) + " (Ir, L1, LL, ~cycles)")
-    ts = rows["trainer+speed"]
-    print("trainer+speed vs trainer: " + " ".join(f"{a - b:+.0f}" for a, b in zip(ts, t)) + " (Ir, L1, LL, ~cycles)")
+        line = f"{name:>8}  " + " ".join(f"{v:{w}.0f}" for v, w in zip(rows[name], (10, 9, 8, 10)))
+        print(line + ("" if name == "hand" else "   vs hand: " + _diff(rows[name], rows["hand"])))
+    print("trainer vs hand+: " + _diff(rows["trainer"], rows["hand+"]) + " (Ir, L1, LL, ~cycles)")
+    print("trainer+speed vs trainer: " + _diff(rows["trainer+speed"], rows["trainer"]) + " (Ir, L1, LL, ~cycles; "
+          "the fit's own work spread over its micro-steps)")
+    # a fit of 2n micro-steps less one of n: the work of n micro-steps; a fit of n less that: the fit's own work
+    step = {name: tuple((a - b) / n for a, b in zip(totals[LONG[name]], totals[name])) for name in LONG}
+    fit = {name: tuple(a - n * s for a, s in zip(totals[name], step[name])) for name in LONG}
+    print(f"split from fits of {n} and {2 * n} micro-steps (Ir, L1, LL, ~cycles):")
+    for name in LONG:
+        print(f"  {name:>13}: per micro-step " + " ".join(f"{v:.0f}" for v in step[name]) +
+              ", per fit " + " ".join(f"{v:.0f}" for v in fit[name]))
+    print("  SpeedReportHook per micro-step: " + _diff(step["trainer+speed"], step["trainer"]))
+    print("  SpeedReportHook per fit:        " + _diff(fit["trainer+speed"], fit["trainer"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="micro-steps counted per contestant")
+    parser.add_argument("--width", type=int, default=128, help="features of the MLP (512 is bench_engine's; slow here)")
+    parser.add_argument("--ll-kib", type=int, default=2048, help="last-level cache size of the model, KiB")
+    parser.add_argument("--keep-dumps", metavar="DIR", help="copy callgrind's dumps (one per contestant) into DIR, "
+                                                          "for callgrind_annotate")
+    parser.add_argument("--nonfinite-loss", default="raise", choices=("raise", "skip", "ignore"),
+                        help="config nonfinite_loss of the engine and the Trainer ('ignore': without the loss guard)")
+    args = parser.parse_args()
+    if _INNER in os.environ:
+        _inner(args.steps, args.width, args.nonfinite_loss)
+        return
+    if args.ll_kib < 64 or args.ll_kib & (args.ll_kib - 1):
+        parser.error("--ll-kib must be a power of two, at least 64")
+    if args.steps < 20 or args.steps % 20:
+        parser.error("--steps must be a multiple of 20 (the hand+ loop prints every tenth of its epoch)")
+    counts = _count(args)
+    print(f"workload: MLP {args.width}->{args.width}->10, batch 64, accumulation 2, clip 1; {args.steps} micro-steps "
+          f"per contestant, counted by callgrind (L1 32/48 KiB, LL {args.ll_kib} KiB)")
+    _report(counts, args.steps)
 
 
 if __name__ == "__main__":

@@ -83,13 +83,22 @@ def _overrides(hook: BaseHook, name: str) -> bool:
     return _class_defines(type(hook), name) or name in getattr(hook, "__dict__", {})
 
 
+#: The points of a run an instrument can take over (``Trainer.instrument``): every event, and ``'before_load'``,
+#: where a training batch starts to load (called with no argument, before its host-to-device copy).
+INSTRUMENT_POINTS = _EVENT_NAMES + ("before_load",)
+
+
 class _Handlers:
     """For each event, the tuple of bound hook methods that handle it (built once per fit): an event nobody
-    handles costs an empty loop."""
+    handles costs an empty loop. ``plain`` keeps the hooks' own tuples (and ``'before_load'``'s, empty) while an
+    instrument has put its own in their place."""
 
     def __init__(self, hooks: Sequence[BaseHook] = ()):
-        for name in _EVENT_NAMES:
-            setattr(self, name, tuple(getattr(hook, name) for hook in hooks if _overrides(hook, name)))
+        self.plain = {name: tuple(getattr(hook, name) for hook in hooks if _overrides(hook, name))
+                      for name in _EVENT_NAMES}
+        for name, handlers in self.plain.items():
+            setattr(self, name, handlers)
+        self.plain["before_load"] = ()
 
 
 @dataclass
@@ -385,6 +394,26 @@ class Trainer:
 
     def _call_hooks(self, func: str, output=None) -> None:  # legacy name
         self.fire(func, *(output or ()))
+
+    def instrument(self, wrap: Optional[Callable[[str, Tuple[Callable, ...]], Sequence[Callable]]],
+                   points: Optional[Sequence[str]] = None) -> None:
+        """The seam for a tool that measures the running fit (``SpeedReportHook`` uses it): from now on the loop
+        calls, at each of ``points`` (``INSTRUMENT_POINTS``; None: all), the functions ``wrap(point, handlers)``
+        returns instead of the attached hooks' ``handlers`` (their bound methods in priority order);
+        ``wrap=None`` gives those points their hooks' handlers back. The loop checks nothing per step: it calls
+        whichever functions are in place, so a run without an instrument pays nothing, and an instrument may
+        switch itself on for some steps only. Each attach (each ``fit``) starts from the hooks' handlers."""
+        if self._step is None:
+            raise RuntimeError("Trainer.instrument is for a running fit or evaluate: call it from a hook's "
+                               "after_hook_is_attached or a later event")
+        unknown = [p for p in (points or ()) if p not in INSTRUMENT_POINTS]
+        if unknown:
+            raise ValueError(f"Trainer.instrument: no point named {', '.join(map(repr, unknown))}; the points are "
+                             f"the events' names (colossal_lite.trainer.events.Event values) and 'before_load'")
+        h = self._h
+        for point in INSTRUMENT_POINTS if points is None else points:
+            handlers = h.plain[point] if wrap is None else tuple(wrap(point, h.plain[point]))
+            setattr(self._step if point == "before_load" else h, point, handlers)
 
     def _attach(self, hooks, purpose: str, recorder: Optional[Recorder] = None) -> None:
         """Sort the run's hooks, build the event handlers and the training step that fires them (the

@@ -56,7 +56,8 @@ _SUGGESTIONS = {
 @dataclass
 class SpeedFigures:
     """What a run measured. ``seconds``: time by phase (``PHASES`` keys and ``'hook:<Name>'``), mean over ranks;
-    ``ops_per_micro_batch``: operators one micro-batch's forward and backward dispatch (None: not counted)."""
+    ``ops_per_micro_batch``: operators one micro-batch's forward and backward dispatch (None: not counted);
+    ``timed_steps``: the steps whose phases were timed, the others' time shared out in their proportions."""
 
     seconds: Dict[str, float]
     steps: int = 0
@@ -70,6 +71,7 @@ class SpeedFigures:
     flops_per_micro_batch: Optional[float] = None
     peak_flops: Optional[float] = None
     sync_sites: List[str] = field(default_factory=list)
+    timed_steps: Optional[int] = None  # the optimizer steps whose phases were timed (None: every step)
 
 
 @dataclass
@@ -144,6 +146,8 @@ def _headline(figures: SpeedFigures) -> str:
         parts.append(f"MFU {100 * figures.mfu:.3g}% (peak {figures.peak_note})")
     elif figures.peak_note:
         parts.append(figures.peak_note)
+    if figures.timed_steps is not None and figures.timed_steps < figures.steps:
+        parts.append(f"phases timed on {figures.timed_steps} of the {figures.steps} steps")
     return "Speed report: " + ", ".join(parts)
 
 
@@ -186,4 +190,5 @@ def figures_from_records(records: Iterable[Mapping]) -> SpeedFigures:
         peak_note="" if peak is None else f"{peak:g} TFLOP/s",
         ops_per_micro_batch=last.get("train/speed/ops_per_micro_batch"),
         flops_per_micro_batch=last.get("train/speed/flops_per_micro_batch"),
-        peak_flops=None if peak is None else peak * 1e12)
+        peak_flops=None if peak is None else peak * 1e12,
+        timed_steps=int(sums["train/speed/timed_steps"]) if "train/speed/timed_steps" in sums else None)

@@ -6,7 +6,7 @@ arithmetic of the model as written (matrix products, convolutions, attention), w
 pass counts the operators a step dispatches, which tells many small kernels from a few large ones.
 
 ``peak_flops`` gives the dense peak of a device in FLOP/s for the precision a run computes in: from
-``PEAK_TFLOPS`` (GPUs by name), from the user, or on a CPU measured once by a short matrix product.
+``PEAK_TFLOPS`` (GPUs by name), from the user, or on a CPU measured by a short matrix product, once per process.
 """
 from __future__ import annotations
 
@@ -136,6 +136,16 @@ def measure_cpu_peak(seconds: float = 0.2, size: int = 512) -> float:
     return best
 
 
+_CPU_PEAK: Dict[str, float] = {}
+
+
+def _cpu_peak() -> float:
+    """``measure_cpu_peak()``, measured once per process: the CPU does not change between fits."""
+    if "cpu" not in _CPU_PEAK:
+        _CPU_PEAK["cpu"] = measure_cpu_peak()
+    return _CPU_PEAK["cpu"]
+
+
 def peak_flops(device: torch.device, kind: str, override_tflops: Optional[float] = None,
                measure_cpu: bool = True) -> Tuple[Optional[float], str]:
     """-> (peak FLOP/s or None, where it came from, in words for the report)."""
@@ -148,6 +158,6 @@ def peak_flops(device: torch.device, kind: str, override_tflops: Optional[float]
             return None, f"no MFU: {name} ({kind}) is not in the peak table; give peak_tflops="
         return tflops * 1e12, f"{tflops:g} TFLOP/s dense {kind}, {name}"
     if device.type == "cpu" and measure_cpu:
-        peak = measure_cpu_peak()
+        peak = _cpu_peak()
         return peak, f"{peak / 1e9:.1f} GFLOP/s measured by a float32 matrix product on this CPU"
     return None, f"no MFU: no peak known for a {device.type} device; give peak_tflops="

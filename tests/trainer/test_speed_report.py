@@ -64,22 +64,52 @@ class SlowData(torch.utils.data.Dataset):
 
 
 class SleepyHook(BaseHook):
+    def __init__(self, delay=0.05):
+        super().__init__()
+        self.delay, self.slept = delay, []  # seconds each call really took
+
     def after_train_iter(self, trainer, *args):
-        time.sleep(0.05)
+        start = time.perf_counter()
+        time.sleep(self.delay)
+        self.slept.append(time.perf_counter() - start)
 
 
-def build(model=None, data=None, batch_size=8):
+#: The events a training run fires on every micro-step or epoch (``CountingHook`` counts them).
+COUNTED_EVENTS = ("before_train_epoch", "after_train_epoch", "before_train_iter", "before_zero_grad",
+                  "after_batch_loaded", "before_forward", "after_forward", "after_loss", "before_backward",
+                  "after_backward", "before_optimizer_step", "after_optimizer_step", "after_train_iter")
+
+
+class CountingHook(BaseHook):
+    """Counts its calls of each event in ``COUNTED_EVENTS``."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = dict.fromkeys(COUNTED_EVENTS, 0)
+
+
+for _name in COUNTED_EVENTS:
+    def _count(self, trainer, *args, _name=_name):
+        self.calls[_name] += 1
+    setattr(CountingHook, _name, _count)
+
+
+def build(model=None, data=None, batch_size=8, config=None):
     torch.manual_seed(0)
     model = model if model is not None else nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
     engine, loader, _, _ = colossal_lite.initialize(
         model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-        DataLoader(data if data is not None else make_data(), batch_size=batch_size), verbose=False)
+        DataLoader(data if data is not None else make_data(), batch_size=batch_size), verbose=False, config=config)
     return engine, loader
 
 
-def fit(hooks, model=None, data=None, epochs=1, log_dir=False, count_flops=False, display=False, **kwargs):
-    engine, loader = build(model, data)
+def fit(hooks, model=None, data=None, epochs=1, log_dir=False, count_flops=False, display=False, first=None,
+        config=None, **kwargs):
+    """A fit with ``SpeedReportHook`` first in the hooks (``first``: its ``breakdown_first``)."""
+    engine, loader = build(model, data, config=config)
     speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=None if count_flops else FLOPS, **kwargs)
+    if first is not None:
+        speed.breakdown_first = first
     trainer = Trainer(engine)
     trainer.fit(loader, epochs=epochs, hooks=[speed] + list(hooks), log_dir=log_dir, display_progress=display)
     return speed, trainer, engine
@@ -179,12 +209,60 @@ def test_the_report_changes_no_parameter_or_buffer():
 
 def test_per_step_path_has_no_host_sync_with_the_report_on():
     """The syncs from package code do not grow with the steps: they are the epoch's reads only (the FLOPs,
-    counted once before the first forward on meta tensors, are given here: see COUNTS)."""
+    counted once on meta tensors, are given here: see COUNTS). The breakdown samples from the second step on, so
+    its functions are put in place and taken out again many times."""
     def syncs(batches):
         with count_syncs() as calls:
-            fit([LossHook(), LogMetricByStepHook()], data=make_data(8 * batches), epochs=2)
+            fit([LossHook(), LogMetricByStepHook()], data=make_data(8 * batches), epochs=2, first=1, breakdown_every=2)
         return {name: len(sites) for name, sites in calls.items()}
     assert syncs(3) == syncs(12)
+
+
+# -- the sampled breakdown ----------------------------------------------------------------------------------------
+def test_a_sampled_breakdown_calls_every_handler_once_and_trains_bitwise_the_same():
+    """Switching the timed functions in and out between steps neither skips nor repeats a hook's handler, and
+    the parameters and BatchNorm's buffers equal those of the same fit without the report."""
+    def model():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+    accumulate = dict(gradient_accumulation=2)
+    counted = CountingHook()
+    speed, _, with_report = fit([LossHook(), counted], model=model(), data=make_data(8 * 40), epochs=2, first=2,
+                                breakdown_every=3, config=accumulate)
+    engine, loader = build(model(), make_data(8 * 40), config=accumulate)
+    alone = CountingHook()
+    Trainer(engine).fit(loader, epochs=2, hooks=[LossHook(), alone], log_dir=False)
+    assert counted.calls == alone.calls and alone.calls["before_forward"] == 80
+    assert alone.calls["after_optimizer_step"] == 40
+    for a, b in zip(with_report.unwrapped_model.state_dict().values(), engine.unwrapped_model.state_dict().values()):
+        assert torch.equal(a, b)
+    # 39 steps after the warm-up: the first 2 timed, then about one in 3
+    assert speed.figures.steps == 39 and 2 + 5 <= speed.figures.timed_steps <= 2 + 25, speed.figures.timed_steps
+
+
+def test_a_sampled_breakdown_names_a_slow_hook_and_estimates_its_whole_time(tmp_path, capsys):
+    """A hook that sleeps 5 ms every step, phases timed on about one step in four: the report still names it
+    first, its seconds are the whole run's (the untimed steps' time shared out as the timed ones measured), and
+    the headline says how many steps were timed; the metrics file gives the same to ``colossal-lite report``."""
+    sleepy = SleepyHook(delay=0.005)
+    speed, _, _ = fit([LossHook(), sleepy], data=make_data(8 * 40), first=2, breakdown_every=4, log_dir=tmp_path)
+    figures = speed.figures
+    assert first_cause(speed).key == "hook:SleepyHook", format_report(figures)
+    assert figures.steps == 39 and figures.timed_steps < 30
+    slept = sum(sleepy.slept[1:])  # (the first step is the warm-up)
+    assert 0.6 * slept <= figures.seconds["hook:SleepyHook"] <= 1.6 * slept, (slept, format_report(figures))
+    assert f"phases timed on {figures.timed_steps} of the 39 steps" in format_report(figures).splitlines()[0]
+    assert figures_from_records(read_metrics(tmp_path / "metrics.jsonl")).timed_steps == figures.timed_steps
+
+
+def test_the_cpu_peak_is_measured_once_per_process():
+    """The matrix product runs once: a second fit's peak is the first one's to the bit (two measurements differ)."""
+    from colossal_lite.utils.flops import peak_flops
+
+    first = peak_flops(torch.device("cpu"), "fp32")
+    start = time.perf_counter()
+    assert peak_flops(torch.device("cpu"), "fp32") == first
+    assert time.perf_counter() - start < 0.05  # (a measurement takes 0.2 s)
 
 
 def test_tokens_per_second_with_the_per_token_reduction():

@@ -1,16 +1,21 @@
 """``SpeedReportHook``: throughput, model FLOPs utilisation and where each step's time went, ranked at the end.
 
 Throughput and MFU cost one clock read and a few host operations per optimizer step; the FLOPs are counted
-once, on meta tensors. The breakdown (``breakdown=True``, the default) wraps every hook handler of the run and
-marks each phase of a training iteration on a clock (``_timeline``): the host's clock on a CPU, CUDA events on a
-GPU, read only at the epoch's end and at the end of ``fit``, where the run reads the device anyway.
+once, on meta tensors. The breakdown (``breakdown=True``, the default) times the phases of a training step on a
+sample of the optimizer steps (every one of the first ``breakdown_first`` after the warm-up, then one in
+``breakdown_every`` at random): on a sampled step it takes over the run's event points through
+``Trainer.instrument``, marks each phase on a clock (``_timeline``: the host's clock on a CPU, CUDA events on a
+GPU, read only at the epoch's end and at the end of ``fit``) and times every hook handler as its hook's; the
+other steps run the hooks' own handlers untouched, their time measured as a whole and shared out over the phases
+in the proportions the sampled steps measured.
 """
 from __future__ import annotations
 
 import os
+import random
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,21 +24,28 @@ from ...engine.batch import call_criterion, call_with
 from ...logging import get_dist_logger
 from ...utils.flops import StepFlops, compute_kind, count_step_flops, peak_flops
 from .._timeline import Timeline, make_clock
-from ..events import Event
 from ..speed_report import HOOK_PREFIX, PHASES, SpeedFigures, format_report
 from ._metric_hook import Metric, MetricHook
 from ._utils import device_of
 
 __all__ = ["SpeedReportHook"]
 
-#: The phase a training run is in after each event (its handlers' own time is theirs, see ``_timed``).
+#: The phase a training run is in after each point of a sampled step (a handler's own time is its hook's).
 PHASE_AFTER = {
-    "before_train": "loop", "before_train_epoch": "loop", "before_train_iter": "data",
+    "before_train_epoch": "loop", "after_train_epoch": "loop", "before_train_iter": "data", "before_load": "h2d",
     "after_batch_loaded": "forward", "before_backward": "backward", "after_backward": "optimizer",
-    "before_optimizer_step": "optimizer", "after_optimizer_step": "loop", "after_train_iter": "loop",
-    "after_train_epoch": "loop", "on_save_checkpoint": "checkpoint", "before_test": "evaluation",
-    "after_test_epoch": "evaluation", "after_test": "loop", "after_train": None,
+    "before_optimizer_step": "optimizer", "after_optimizer_step": "loop", "on_save_checkpoint": "checkpoint",
 }
+#: The points the breakdown takes over on a sampled step (``after_train_iter`` is the hook's on every step).
+SPAN_POINTS = ("before_train_epoch", "after_train_epoch", "before_train_iter", "before_zero_grad", "before_load",
+               "after_batch_loaded", "before_forward", "after_forward", "after_loss", "before_backward",
+               "after_backward", "after_grad_norm", "before_optimizer_step", "after_optimizer_step",
+               "on_save_checkpoint")
+#: The timeline's key for the steps that were not sampled: their time is shared out over the phases.
+UNSAMPLED = "unsampled"
+#: Timeline keys that take no share of the unsampled time: evaluation (timed apart, always) and the report's own
+#: one-time work (the FLOP count).
+_NOT_SHARED = (UNSAMPLED, "evaluation", "report")
 
 
 class _Figure(Metric):
@@ -65,15 +77,143 @@ class _Figure(Metric):
         return a > b
 
 
-def _timed(fn: Callable, phase: str, timeline: Timeline) -> Callable:
-    """``fn`` with its own time given to ``phase``."""
-    def timed(*args):
-        back = timeline.switch(phase)
-        try:
-            fn(*args)
-        finally:
-            timeline.switch(back)
-    return timed
+def _hook_key(fn: Callable) -> str:
+    return HOOK_PREFIX + type(getattr(fn, "__self__", fn)).__name__
+
+
+def shared_out(seconds: Dict[str, float], basis: Dict[str, float]) -> Dict[str, float]:
+    """``seconds`` (by timeline key) with the unsampled steps' time given to the phases in the proportions of
+    ``basis`` (the sampled steps' seconds by key; ``_NOT_SHARED`` keys take no share)."""
+    out = dict(seconds)
+    unsampled = out.pop(UNSAMPLED, 0.0)
+    weights = {key: value for key, value in basis.items() if key not in _NOT_SHARED and value > 0}
+    total = sum(weights.values())
+    if not total:
+        weights, total = {"loop": 1.0}, 1.0
+    for key, value in weights.items():
+        out[key] = out.get(key, 0.0) + unsampled * value / total
+    return out
+
+
+class _Breakdown:
+    """The phase timing of one fit: which optimizer steps are sampled, and the functions that mark a sampled
+    step's phases and time its hooks' handlers, put in place through ``Trainer.instrument`` for those steps.
+
+    ``hook`` is the ``SpeedReportHook`` (its own handlers run first at each point, untimed); ``lean`` gives the
+    functions of a step that is not sampled."""
+
+    def __init__(self, hook, trainer, lean: Callable, every: int, first: int, warmup: int):
+        self.hook, self.trainer, self.lean = hook, trainer, lean
+        self.timeline = Timeline(make_clock(device_of(trainer)))
+        self.world = world_size()
+        self.every, self.first_until = every, warmup + first
+        self.rng = random.Random(0)  # (the same steps on every rank, and the global RNGs untouched)
+        self.sampling = False  # the step running now is sampled
+        self.next_sampled = warmup  # the next step is sampled when the steps seen reach this
+        self.tables: Dict[str, Tuple[Callable, ...]] = {}
+        self.iter_pairs: Tuple[Tuple[str, Callable], ...] = ()  # after_train_iter's other handlers, keyed
+        self.grads_done: Any = None
+        self._handles: List[Any] = []
+
+    # -- which steps ----------------------------------------------------------------------------------------
+    def step_ended(self, steps_seen: int) -> bool:
+        """``steps_seen`` optimizer steps ended (the warm-up's included): sample the next one or not; -> whether
+        the step that ended was sampled."""
+        was_sampled = self.sampling
+        sample = steps_seen >= self.next_sampled
+        if sample:
+            gap = 1 if steps_seen < self.first_until or self.every == 1 else self.rng.randint(1, 2 * self.every - 1)
+            self.next_sampled = steps_seen + gap
+        if sample != self.sampling:
+            self._switch(sample)
+        return was_sampled
+
+    def _switch(self, sample: bool) -> None:
+        """Put the sampled step's functions in place (or the lean ones back) at every point it takes over."""
+        self.sampling = sample
+        self.timeline.switch("loop" if sample else UNSAMPLED)
+        self.trainer.instrument(self._timed if sample else self.lean, SPAN_POINTS)
+        if self.world > 1:
+            self._watch_gradients(sample)
+
+    def stop(self) -> None:
+        """The fit ends: the gradient hooks removed (the Trainer builds its handlers afresh at each attach)."""
+        self.sampling = False
+        self._watch_gradients(False)
+
+    # -- a sampled step's functions ---------------------------------------------------------------------------
+    def _timed(self, point: str, handlers: Tuple[Callable, ...]) -> Tuple[Callable, ...]:
+        """The functions of ``point`` on a sampled step (built once per fit)."""
+        table = self.tables.get(point)
+        if table is None:
+            table = self.tables[point] = self._build(point, handlers)
+        return table
+
+    def _build(self, point: str, handlers: Tuple[Callable, ...]) -> Tuple[Callable, ...]:
+        """One function for ``point``: this hook's own handlers, the others' each timed as its hook's, then the
+        phase that follows the point (none: the phase that ran before it goes on)."""
+        timeline, hook = self.timeline, self.hook
+        if point == "before_load":
+            return (lambda: timeline.switch("h2d"),)
+        own = tuple(fn for fn in handlers if getattr(fn, "__self__", None) is hook)
+        if point == "after_backward":
+            own = (hook.sampled_backward,)
+        pairs = tuple((_hook_key(fn), fn) for fn in handlers if getattr(fn, "__self__", None) is not hook)
+        after = PHASE_AFTER.get(point)
+        if point == "after_backward" and self.world > 1:  # gradient reduction (and clipping) over the ranks
+            after = "communication"
+        if after is None and not pairs and not own:
+            return ()
+        switch = timeline.switch
+
+        def dispatch(trainer, *args):
+            back = timeline.phase
+            for fn in own:
+                fn(trainer, *args)
+            for key, fn in pairs:
+                switch(key)
+                fn(trainer, *args)
+            switch(back if after is None else after)
+        return (dispatch,)
+
+    def set_iter_handlers(self, handlers: Tuple[Callable, ...]) -> None:
+        self.iter_pairs = tuple((_hook_key(fn), fn) for fn in handlers)
+
+    def run_iter_handlers(self, trainer, args) -> None:
+        """The other hooks' ``after_train_iter`` handlers on a sampled step, each timed as its hook's."""
+        switch = self.timeline.switch
+        for key, fn in self.iter_pairs:
+            switch(key)
+            fn(trainer, *args)
+        switch("loop")
+
+    def _watch_gradients(self, on: bool) -> None:
+        """Mark the time each gradient is accumulated: what the backward waits for after the last one is
+        exposed communication (DDP's all-reduce finishing). Only on sampled steps."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if on:
+            clock = self.timeline.clock
+
+            def done(param):
+                self.grads_done = clock.mark()
+            model = self.trainer.engine.unwrapped_model
+            self._handles = [p.register_post_accumulate_grad_hook(done) for p in model.parameters() if p.requires_grad]
+
+    def after_backward(self) -> None:
+        """On a sampled step: the backward ended when its last gradient was accumulated; from there until now
+        the rank waited for communication (the marker then ends that wait)."""
+        grads_done, self.grads_done = self.grads_done, None
+        if grads_done is not None:
+            self.timeline.split(grads_done, "communication")
+
+    # -- the figures -----------------------------------------------------------------------------------------
+    def seconds_since(self, since: Dict[str, float]) -> Dict[str, float]:
+        """Seconds by timeline key since the totals ``since`` (the open phase is closed here first)."""
+        self.timeline.switch(self.timeline.phase)
+        totals = self.timeline.settle()
+        return {key: value - since.get(key, 0.0) for key, value in totals.items()}
 
 
 class _Totals:
@@ -82,6 +222,17 @@ class _Totals:
 
     def __init__(self):
         self.samples, self.tokens, self.seconds, self.steps, self.micro_batches = 0, None, 0.0, 0, 0
+        self.timed_steps = 0  # the steps whose phases were timed
+        self.figures: Optional[Dict[str, Any]] = None
+
+    def add(self, other: "_Totals") -> None:
+        self.samples += other.samples
+        self.timed_steps += other.timed_steps
+        self.seconds += other.seconds
+        self.steps += other.steps
+        self.micro_batches += other.micro_batches
+        if other.tokens is not None:
+            self.tokens = other.tokens.clone() if self.tokens is None else self.tokens + other.tokens
 
 
 class SpeedReportHook(MetricHook):
@@ -92,19 +243,30 @@ class SpeedReportHook(MetricHook):
     ranked table of where the time went with one suggestion per cause (``report``; ``hook.report_text``).
 
     ``peak_tflops``: the device's peak for MFU (default: the table in ``utils.flops`` for a GPU, a short matrix
-    product on a CPU with ``measure_cpu_peak``, else no MFU). ``flops_per_sample``: give the model's training
-    FLOPs per sample instead of counting them (None: counted once on meta tensors). ``warmup_steps``: the first
-    optimizer steps of the fit, left out of every figure (their one-time costs: allocation, autotuning, compilation).
+    product on a CPU with ``measure_cpu_peak``, measured once per process, else no MFU). ``flops_per_sample``:
+    give the model's training FLOPs per sample instead of counting them (None: counted once on meta tensors).
+    ``warmup_steps``: the first optimizer steps of the fit, left out of every figure (their one-time costs:
+    allocation, autotuning, compilation). ``breakdown_every``: after the first ``breakdown_first`` optimizer
+    steps past the warm-up (all timed), the phases are timed on one step in this many, chosen at random (the
+    same steps on every rank), and the other steps' time is shared out in the proportions those measured;
+    1 times every step.
     """
+
+    #: Optimizer steps after the warm-up whose phases are all timed before the breakdown samples.
+    breakdown_first = 16
+    #: Optimizer steps after the warm-up during which a GPU run watches for host syncs (torch's sync debug mode).
+    sync_check_steps = 3
 
     def __init__(self, breakdown: bool = True, report: bool = True, peak_tflops: Optional[float] = None,
                  measure_cpu_peak: bool = True, flops_per_sample: Optional[float] = None, warmup_steps: int = 1,
-                 logger=None, priority: int = 10):
+                 breakdown_every: int = 16, logger=None, priority: int = 10):
         super().__init__(priority)
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"SpeedReportHook(warmup_steps={warmup_steps!r}): give the optimizer steps to leave out "
-                             f"at the start of fit as an int >= 0")
-        self.warmup_steps = warmup_steps
+        for name, value, least in (("warmup_steps", warmup_steps, 0), ("breakdown_every", breakdown_every, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                what = ("the optimizer steps to leave out at the start of fit" if least == 0 else
+                        "how many optimizer steps share one timed step (1: time every step)")
+                raise ValueError(f"SpeedReportHook({name}={value!r}): give {what} as an int >= {least}")
+        self.warmup_steps, self.breakdown_every = warmup_steps, breakdown_every
         if peak_tflops is not None and not (isinstance(peak_tflops, (int, float)) and peak_tflops > 0):
             raise ValueError(f"SpeedReportHook(peak_tflops={peak_tflops!r}): give the device's dense peak in "
                              f"TFLOP/s as a positive number (e.g. 989.4 for an H100 SXM in bf16), or None")
@@ -119,7 +281,7 @@ class SpeedReportHook(MetricHook):
         self.logger = logger
         self.figures: Optional[SpeedFigures] = None
         self.report_text = ""
-        self._handles: List[Any] = []
+        self._timing: Optional[_Breakdown] = None
 
     # -- attach ----------------------------------------------------------------------------------------------
     def after_hook_is_attached(self, trainer):
@@ -131,24 +293,39 @@ class SpeedReportHook(MetricHook):
         self._world = world_size()
         self._peak, self.peak_note = peak_flops(device_of(trainer), compute_kind(engine.precision.name),
                                                 self.peak_tflops, self.measure_cpu_peak)
-        self._counts_tokens = hasattr(engine.reduction, "tokens")
+        self.counts_tokens = hasattr(engine.reduction, "tokens")
         self._fit, self._epoch_totals = _Totals(), _Totals()
         self._last_step: Dict[str, Any] = {}
-        self._recorded: Dict[str, float] = {}  # phase seconds up to the last record (and the warm-up's)
-        self._baseline: Dict[str, float] = {}  # phase seconds of the warm-up steps, left out of the report
+        self._recorded: Dict[str, float] = {}  # seconds by timeline key up to the last record (and the warm-up's)
+        self._baseline: Dict[str, float] = {}  # seconds by timeline key of the warm-up steps, left out of the report
         self._steps_seen = self._micro_batches = self._micro_samples = 0
+        self._tokens: Any = None
         self._sync_watch: Any = None  # the warnings caught while torch's sync debug mode is on (False: done)
         self.sync_counts: Dict[str, int] = {}  # host syncs seen on a GPU, by Python line
         self._register(trainer)
-        self.timeline = Timeline(make_clock(device_of(trainer)))
         if self.breakdown:
-            self._instrument(trainer)
+            self._timing = _Breakdown(self, trainer, self._lean, self.breakdown_every, self.breakdown_first,
+                                      self.warmup_steps)
+        self._iter_handlers: Tuple[Callable, ...] = ()
+        trainer.instrument(self._lean, ("after_train_iter", "after_backward"))
+
+    def _lean(self, point: str, handlers: Tuple[Callable, ...]) -> Sequence[Callable]:
+        """The functions of ``point`` on a step the breakdown does not time: the hooks' own, with this hook's
+        count of each micro-batch in ``after_train_iter`` and its token count after each backward."""
+        if point == "after_train_iter":
+            self._iter_handlers = handlers
+            if self._timing is not None:
+                self._timing.set_iter_handlers(handlers)
+            return (self._after_iter,)
+        if point == "after_backward" and self.counts_tokens:
+            return handlers + (self._note_tokens,)
+        return handlers
 
     def _register(self, trainer) -> None:
         device = device_of(trainer)
         train, test = trainer.states["metrics"]["train"], trainer.states["metrics"]["test"]
         names = ["samples_per_s", "samples_per_s_per_rank"]
-        if self._counts_tokens:
+        if self.counts_tokens:
             names += ["tokens_per_s", "tokens_per_s_per_rank"]
         if self._peak is not None:
             names.append("mfu")
@@ -161,8 +338,8 @@ class SpeedReportHook(MetricHook):
                 train[f"time/{phase}"] = _Figure(lambda: None, lambda p=phase: self._epoch_figures()[p], True,
                                                  device, in_log_line=False)
                 self._own["train"].append(f"time/{phase}")
-            for name in ("steps", "micro_batches", "world_size", "ops_per_micro_batch", "flops_per_micro_batch",
-                         "peak_tflops"):
+            for name in ("steps", "timed_steps", "micro_batches", "world_size", "ops_per_micro_batch",
+                         "flops_per_micro_batch", "peak_tflops"):
                 train[f"speed/{name}"] = _Figure(lambda: None, lambda n=name: self._epoch_figures()[n], True,
                                                  device, in_log_line=False)
                 self._own["train"].append(f"speed/{name}")
@@ -174,80 +351,60 @@ class SpeedReportHook(MetricHook):
         hooks = [HOOK_PREFIX + type(h).__name__ for h in trainer.hooks if h is not self] + [HOOK_PREFIX + "Recorder"]
         return [p for p in PHASES if p != "evaluation"] + list(dict.fromkeys(hooks))
 
-    def _instrument(self, trainer) -> None:
-        """Each event's handlers, this hook's first as the phase marker, the others timed as their hook's."""
-        handlers, timeline = trainer._h, self.timeline  # (the run's handler table, rebuilt at every attach)
-        for event in Event:
-            name = event.value
-            others = tuple(_timed(fn, HOOK_PREFIX + type(getattr(fn, "__self__", fn)).__name__, timeline)
-                           for fn in getattr(handlers, name) if getattr(fn, "__self__", None) is not self)
-            marker = self._marker(name) if name in PHASE_AFTER else None
-            setattr(handlers, name, ((marker,) if marker else ()) + others)
-        trainer._step.before_load = (lambda: timeline.switch("h2d"),)
-        if self._world > 1:
-            self._watch_gradients(trainer.engine.unwrapped_model)
-
-    def _marker(self, event: str) -> Callable:
-        own, phase, timeline = getattr(self, "_on_" + event, None), PHASE_AFTER[event], self.timeline
-        if event == "after_backward" and self._world > 1:  # gradient reduction (and clipping) over the ranks
-            phase = "communication"
-
-        def marker(trainer, *args):
-            if own is not None:
-                own(trainer, *args)
-            timeline.switch(phase)
-        return marker
-
-    def _watch_gradients(self, model: torch.nn.Module) -> None:
-        """Mark the time each gradient is accumulated: what the backward waits for after the last one is
-        exposed communication (DDP's all-reduce finishing)."""
-        clock = self.timeline.clock
-        self._grads_done = None
-
-        def done(param):
-            self._grads_done = clock.mark()
-        self._handles = [p.register_post_accumulate_grad_hook(done) for p in model.parameters() if p.requires_grad]
-
-    # -- the events (each one is also the phase marker's work with ``breakdown``) ----------------------------------
+    # -- the events ------------------------------------------------------------------------------------------
     def before_train(self, trainer):
         self._stamp = time.perf_counter()
+        if self._timing is not None and self.warmup_steps == 0:
+            self._timing.step_ended(0)
 
     def before_train_epoch(self, trainer):
+        self._fit.add(self._epoch_totals)
         self._epoch_totals = _Totals()
         for name in self._own["train"]:
             trainer.states["metrics"]["train"][name].reset()
         self._stamp = time.perf_counter()
 
-    def after_batch_loaded(self, trainer):
-        size = trainer.engine.schedule.batch_size
+    def _after_iter(self, trainer, *args):
+        """Every training iteration, in place of the hooks' ``after_train_iter`` handlers (which it calls, timed
+        on a sampled step): count the micro-batch, and at an optimizer step's end its figures."""
+        size = self._engine.schedule.batch_size
         self._micro_batches += 1
         self._micro_samples += 1 if size is None else size
-        if self.flops is None and not self.flops_note:  # once; its time is neither the step's nor a phase's
-            back = self.timeline.switch("report") if self.breakdown else None
-            start = time.perf_counter()
-            self._count_flops(trainer, 1 if size is None else size)
-            self._stamp += time.perf_counter() - start
-            if self.breakdown:
-                self.timeline.switch(back)
+        if self.flops is None and not self.flops_note:
+            self._first_count(trainer, 1 if size is None else size)
+        if trainer.state.stepped:
+            self._step_done()
+        timing = self._timing
+        if timing is not None and timing.sampling:
+            timing.run_iter_handlers(trainer, args)
+        else:
+            for fn in self._iter_handlers:
+                fn(trainer, *args)
 
-    def after_backward(self, trainer):
-        if self._counts_tokens:
+    def _note_tokens(self, trainer):
+        self._tokens = self._engine.reduction.tokens
+
+    def sampled_backward(self, trainer):
+        """``after_backward`` on a sampled step: the tokens, and the exposed communication's start."""
+        if self.counts_tokens:
             self._tokens = self._engine.reduction.tokens
-        grads_done, self._grads_done = getattr(self, "_grads_done", None), None
-        if grads_done is not None and self.breakdown:  # (the marker then ends the exposed wait here)
-            self.timeline.split(grads_done, "communication")
+        self._timing.after_backward()
 
     def before_test(self, trainer):
+        if not trainer.state.fitting:  # (evaluate() alone: the hook measures fits only)
+            return
         self._watch_syncs(False)
         for name in self._own["test"]:
             trainer.states["metrics"]["test"][name].reset()
+        if self._timing is not None:
+            self._eval_back = self._timing.timeline.switch("evaluation")
 
     def after_test(self, trainer):
+        if not trainer.state.fitting:
+            return
         self._stamp = time.perf_counter()  # (evaluation is not training time)
-
-    def after_train_iter(self, trainer, *args):
-        if trainer.state.stepped:
-            self._step_done()
+        if self._timing is not None:
+            self._timing.timeline.switch(self._eval_back)
 
     def after_train_epoch(self, trainer):
         self._watch_syncs(False)  # (the epoch's figures are read after this: a read the user asked for)
@@ -255,12 +412,17 @@ class SpeedReportHook(MetricHook):
     def after_train(self, trainer):
         self._finish(trainer)
 
-    _on_before_train, _on_before_train_epoch, _on_after_batch_loaded = before_train, before_train_epoch, \
-        after_batch_loaded
-    _on_after_backward, _on_after_test, _on_after_train_iter = after_backward, after_test, after_train_iter
-    _on_after_train, _on_before_test = after_train, before_test
-
     # -- figures -------------------------------------------------------------------------------------------
+    def _first_count(self, trainer, samples: int) -> None:
+        """Count the FLOPs once (their time is neither the step's nor a phase's)."""
+        timeline = self._timing.timeline if self._timing is not None else None
+        back = timeline.switch("report") if timeline is not None else None
+        start = time.perf_counter()
+        self._count_flops(trainer, samples)
+        self._stamp += time.perf_counter() - start
+        if timeline is not None:
+            timeline.switch(back)
+
     def _count_flops(self, trainer, samples: int) -> None:
         """The training FLOPs of one micro-batch, counted once on meta tensors (or the user's figure)."""
         if self._given_flops is not None:
@@ -282,32 +444,39 @@ class SpeedReportHook(MetricHook):
         now = time.perf_counter()
         seconds, self._stamp = max(now - self._stamp, 1e-9), now
         samples, micro_batches, self._micro_samples, self._micro_batches = self._micro_samples, self._micro_batches, 0, 0
-        self._steps_seen += 1
-        watch_from = max(self.warmup_steps, 1)
-        if self._steps_seen in (watch_from, watch_from + self.sync_check_steps):
-            self._watch_syncs(self._steps_seen == watch_from)
-        if self._steps_seen <= self.warmup_steps:
-            if self.breakdown and self._steps_seen == self.warmup_steps:
-                self.timeline.switch(self.timeline.phase)  # (the open phase's time so far is the warm-up's)
-                self._baseline = dict(self.timeline.settle())
-                self._recorded = dict(self._baseline)
-            return
-        tokens = self._tokens if self._counts_tokens else None
-        for totals in (self._fit, self._epoch_totals):
-            totals.micro_batches += micro_batches
-            totals.samples += samples
-            totals.seconds += seconds
-            totals.steps += 1
-            if tokens is not None:
-                totals.tokens = tokens.detach().clone() if totals.tokens is None else totals.tokens + tokens
+        n = self._steps_seen = self._steps_seen + 1
+        if n <= self.warmup_steps + self.sync_check_steps:
+            self._warming_up(n)
+            if n <= self.warmup_steps:
+                return
+        totals = self._epoch_totals
+        if self._timing is not None:
+            totals.timed_steps += self._timing.step_ended(n)
+        totals.micro_batches += micro_batches
+        totals.samples += samples
+        totals.seconds += seconds
+        totals.steps += 1
+        tokens = self._tokens
         step = self._last_step
         step["samples_per_s_per_rank"] = samples / seconds
         step["samples_per_s"] = samples * self._world / seconds
         if tokens is not None:
+            totals.tokens = tokens.detach().clone() if totals.tokens is None else totals.tokens + tokens
             step["tokens_per_s_per_rank"] = tokens / seconds
             step["tokens_per_s"] = tokens * (self._world / seconds)
         if self._peak is not None and self.flops is not None:
             step["mfu"] = self.flops.flops_per_sample * samples / seconds / self._peak
+
+    def _warming_up(self, n: int) -> None:
+        """The first steps: at the warm-up's end the time so far is set aside and the breakdown starts; on a GPU
+        the host syncs are watched for ``sync_check_steps`` steps after it."""
+        watch_from = max(self.warmup_steps, 1)
+        if n in (watch_from, watch_from + self.sync_check_steps):
+            self._watch_syncs(n == watch_from)
+        if n == self.warmup_steps and self._timing is not None:
+            self._baseline = self._timing.seconds_since({})
+            self._recorded = dict(self._baseline)
+            self._timing.step_ended(n)
 
     def _reduced(self, totals: _Totals, phases: Dict[str, float]) -> Dict[str, float]:
         """Figures of a span over every rank (one all-reduce): throughput summed over ranks, seconds averaged."""
@@ -320,42 +489,41 @@ class SpeedReportHook(MetricHook):
         samples, seconds = values[0], values[1] / world
         out = {name: value / world for name, value in zip(names, values[2:-1])}
         out.update(samples_per_s=samples / seconds if seconds > 0 else None, steps=totals.steps,
-                   micro_batches=totals.micro_batches, world_size=world,
+                   timed_steps=totals.timed_steps, micro_batches=totals.micro_batches, world_size=world,
                    ops_per_micro_batch=self.flops.ops if self.flops is not None and self.flops.ops else None,
                    flops_per_micro_batch=None if self.flops is None else float(self.flops.flops),
                    peak_tflops=None if self._peak is None else self._peak / 1e12)
         out["samples_per_s_per_rank"] = None if out["samples_per_s"] is None else out["samples_per_s"] / world
-        out["tokens_per_s"] = values[-1] / seconds if self._counts_tokens and seconds > 0 else None
+        out["tokens_per_s"] = values[-1] / seconds if self.counts_tokens and seconds > 0 else None
         out["tokens_per_s_per_rank"] = None if out["tokens_per_s"] is None else out["tokens_per_s"] / world
         mfu_ok = self._peak is not None and self.flops is not None and out["samples_per_s_per_rank"] is not None
         out["mfu"] = self.flops.flops_per_sample * out["samples_per_s_per_rank"] / self._peak if mfu_ok else None
         return out
 
-    def _phase_seconds(self, since: Dict[str, float], phases: List[str]) -> Dict[str, float]:
-        """The seconds of each of ``phases`` since the totals ``since`` (the open phase is closed here first)."""
-        self.timeline.switch(self.timeline.phase)
-        totals = self.timeline.settle()
-        return {p: totals.get(p, 0.0) - since.get(p, 0.0) for p in phases}
-
     def _epoch_figures(self) -> Dict[str, float]:
-        """This epoch's figures over every rank, computed once per epoch (every rank reads them together)."""
-        cached = getattr(self._epoch_totals, "figures", None)
+        """This epoch's figures over every rank, computed once per epoch (every rank reads them together). The
+        unsampled steps' time is shared out as the epoch's sampled steps measured (none: as the fit's so far)."""
+        cached = self._epoch_totals.figures
         if cached is None:
             phases = [n.split("/", 1)[1] for n in self._own["train"] if n.startswith("time/")]
-            seconds = self._phase_seconds(self._recorded, phases) if self.breakdown else {}
-            self._recorded.update({p: self._recorded.get(p, 0.0) + v for p, v in seconds.items()})
+            seconds: Dict[str, float] = {}
+            if self._timing is not None:
+                raw = self._timing.seconds_since(self._recorded)
+                raw.pop("evaluation", None)
+                for key, value in raw.items():
+                    self._recorded[key] = self._recorded.get(key, 0.0) + value
+                sampled = any(v > 0 for k, v in raw.items() if k not in _NOT_SHARED)
+                basis = raw if sampled else self._timing.seconds_since(self._baseline)
+                shared = shared_out(raw, basis)
+                seconds = {p: shared.get(p, 0.0) for p in phases}
             cached = self._epoch_totals.figures = self._reduced(self._epoch_totals, seconds)
         return cached
 
     def _evaluation_seconds(self) -> float:
-        seconds = self._phase_seconds(self._recorded, ["evaluation"])
-        self._recorded["evaluation"] = self._recorded.get("evaluation", 0.0) + seconds["evaluation"]
-        values = all_reduce_sum_(torch.tensor([seconds["evaluation"]], dtype=torch.float64,
-                                              device=self._engine.device)).tolist()
+        seconds = self._timing.seconds_since(self._recorded).get("evaluation", 0.0)
+        self._recorded["evaluation"] = self._recorded.get("evaluation", 0.0) + seconds
+        values = all_reduce_sum_(torch.tensor([seconds], dtype=torch.float64, device=self._engine.device)).tolist()
         return values[0] / self._world
-
-    #: Optimizer steps after the warm-up during which a GPU run watches for host syncs (torch's sync debug mode).
-    sync_check_steps = 3
 
     def _watch_syncs(self, start: bool) -> None:
         """On a GPU, start or stop torch's sync debug mode ("warn"); each sync's Python line is counted."""
@@ -380,22 +548,29 @@ class SpeedReportHook(MetricHook):
         """Stop watching for syncs and remove the gradient hooks from the model."""
         if getattr(self, "_engine", None) is not None:
             self._watch_syncs(False)
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        if self._timing is not None:
+            self._timing.stop()
+            self._timing = None
 
     def _finish(self, trainer) -> None:
-        """The end of fit: the whole run's figures and the report; the run's own metrics and hooks removed."""
+        """The end of fit: the whole run's figures and the report; the run's own metrics removed."""
+        timing = self._timing
         self._release()
-        phases = self._phases(trainer) + ["evaluation"] if self.breakdown else []
-        seconds = self._phase_seconds(self._baseline, phases) if self.breakdown else {}
+        self._fit.add(self._epoch_totals)
+        self._epoch_totals = _Totals()
+        seconds: Dict[str, float] = {}
+        if timing is not None:
+            raw = timing.seconds_since(self._baseline)
+            shared = shared_out(raw, raw)
+            seconds = {p: shared.get(p, 0.0) for p in self._phases(trainer) + ["evaluation"]}
         fit = self._reduced(self._fit, seconds)
         self.figures = SpeedFigures(
             seconds={p: fit[p] for p in seconds if fit[p] > 0}, steps=self._fit.steps, micro_batches=self._fit.micro_batches,
             world_size=self._world, samples_per_s=fit["samples_per_s"], tokens_per_s=fit["tokens_per_s"],
             mfu=fit["mfu"], peak_note=self.flops_note or self.peak_note, ops_per_micro_batch=fit["ops_per_micro_batch"],
             flops_per_micro_batch=fit["flops_per_micro_batch"], peak_flops=self._peak,
-            sync_sites=[f"{site} ({n}x)" for site, n in sorted(self.sync_counts.items(), key=lambda kv: -kv[1])])
+            sync_sites=[f"{site} ({n}x)" for site, n in sorted(self.sync_counts.items(), key=lambda kv: -kv[1])],
+            timed_steps=self._fit.timed_steps if timing is not None else None)
         self.report_text = format_report(self.figures)
         if self.report:
             log_rank_0(self.logger or trainer.logger or get_dist_logger(), self.report_text)
