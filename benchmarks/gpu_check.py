@@ -656,7 +656,7 @@ def _speed_report_case(ctx: Ctx, width: int, batch: int, steps: int, delay: floa
     timed = [cause.key for cause in rank_causes(f) if cause.key != "host syncs"]
     return dict(first=timed[0], mfu=f.mfu, samples_per_s=f.samples_per_s, peak=f.peak_note,
                 seconds={k: round(v, 4) for k, v in f.seconds.items()}, sync_sites=f.sync_sites,
-                clock=type(hook.timeline.clock).__name__, report=hook.report_text)
+                clock=hook.clock_kind, report=hook.report_text)
 
 
 class _Replay:

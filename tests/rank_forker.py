@@ -8,11 +8,15 @@ fresh ``__main__`` module with ``sys.argv == [SCRIPT, *ARGS]`` and the script's 
 uncaught exception prints its traceback and gives status 1, and exit handlers and finalization run. The ranks
 write to this process's stdout and stderr, which are theirs too, as torchrun's workers write to its own.
 
+This process also keeps the job's store for the whole launch, as torchrun's agent does
+(``TORCHELASTIC_USE_AGENT_STORE=True``): the ranks are its clients, and a script that destroys its process group
+and makes a new one takes the same path as under torchrun.
+
 Like torchrun, once a rank fails the others are stopped (SIGTERM, then SIGKILL after ``STOP_GRACE_S``), each
 failed rank is named on stderr and the exit status is 1; it is 0 when every rank exits 0.
 
 What it does not do, so tests whose subject is one of these stay on torchrun (``tests/dist_helpers.py`` lists
-them): no agent or agent store (rank 0's process group hosts the store), no ``TORCHELASTIC_*`` variables (so
+them): no agent, no ``TORCHELASTIC_*`` variables but the agent store's (so
 ``colossal_lite.launch.under_torchrun()`` is False), no restarts, no forwarding of signals sent to this process.
 """
 import builtins
@@ -39,7 +43,8 @@ STACKS_S = 0.3  # for one rank to print its stacks before the next is asked
 def torchrun_env(rank: int, nproc: int, port: int) -> dict:
     """The variables torchrun's agent gives worker ``rank`` of a one-node job of ``nproc`` workers."""
     env = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc, GROUP_RANK=0, GROUP_WORLD_SIZE=1,
-               ROLE_RANK=rank, ROLE_WORLD_SIZE=nproc, ROLE_NAME="default", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+               ROLE_RANK=rank, ROLE_WORLD_SIZE=nproc, ROLE_NAME="default", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+               TORCHELASTIC_USE_AGENT_STORE=True)
     return {k: str(v) for k, v in env.items()}
 
 
@@ -129,7 +134,11 @@ def main() -> int:
     signal.signal(signal.SIGUSR1, lambda signum, frame: ask_for_stacks(pids))  # each rank puts faulthandler's instead
     for rank in range(nproc):
         pids[start_rank(rank, nproc, port, script, args)] = rank
+    # the job's store, kept here for the whole launch as torchrun's agent keeps it (made after the forks: the ranks
+    # are clients that wait for it), so a script that makes its process group anew finds the store it did before
+    store = torch.distributed.TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False)
     codes = wait_all(pids)
+    del store
     failed = {rank: code for rank, code in sorted(codes.items()) if code != 0}
     for rank, code in failed.items():
         how = f"signal {-code}" if code < 0 else f"status {code}"

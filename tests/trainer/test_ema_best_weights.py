@@ -317,4 +317,6 @@ def test_the_docs_snippet_deploys_the_best_checkpoints_average(tmp_path):
     (tmp_path / "snippet.py").write_text(snippet)
     proc = run_python(tmp_path / "snippet.py", cwd=tmp_path, timeout=120)
     assert "deployed the EMA weights: 4 tensors" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.startswith("best: epoch"), proc.stdout
+    *saves, last = proc.stdout.splitlines()  # nothing else is printed but a line for each save
+    assert last.startswith("best: epoch") and len(saves) == 3, proc.stdout
+    assert all(line.startswith("colossal_lite - INFO: checkpoint saved: ") for line in saves), proc.stdout

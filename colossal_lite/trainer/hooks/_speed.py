@@ -281,6 +281,7 @@ class SpeedReportHook(MetricHook):
         self.logger = logger
         self.figures: Optional[SpeedFigures] = None
         self.report_text = ""
+        self.clock_kind: Optional[str] = None  # the breakdown's clock: 'DeviceClock' (CUDA events) or 'HostClock'
         self._timing: Optional[_Breakdown] = None
 
     # -- attach ----------------------------------------------------------------------------------------------
@@ -306,6 +307,7 @@ class SpeedReportHook(MetricHook):
         if self.breakdown:
             self._timing = _Breakdown(self, trainer, self._lean, self.breakdown_every, self.breakdown_first,
                                       self.warmup_steps)
+            self.clock_kind = type(self._timing.timeline.clock).__name__
         self._iter_handlers: Tuple[Callable, ...] = ()
         trainer.instrument(self._lean, ("after_train_iter", "after_backward"))
 
