@@ -24,23 +24,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from dist_helpers import run_ranks, run_torchrun  # noqa: E402
 
-SCRIPT = """
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
-import colossal_lite
-from colossal_lite.trainer import Trainer
-from colossal_lite.trainer.hooks import LossHook
-from colossal_lite.utils import get_dataloader
-
-colossal_lite.launch_from_torch(config={}, verbose=False)
-model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
-engine, loader, _, _ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                                nn.CrossEntropyLoss(), get_dataloader(data, batch_size=4),
-                                                verbose=False)
-Trainer(engine).fit(loader, epochs=1, hooks=[LossHook()], display_progress=False)  # no gpc.destroy()
-"""
+# the Trainer run of the clean-exit test, which leaves without destroying its group
+from test_clean_exit import FIT as SCRIPT  # noqa: E402
 
 
 def children_cpu() -> float:
