@@ -131,23 +131,24 @@ class TrainStep:
             batch = take_rows(batch, batch_len(batch), keep)
         rec.batch, rec.data, rec.label = engine.schedule.place(batch, engine.device)
         rec.output = call_with(self.forward, rec.data)
-        if keep == 0 and self._drop_rows(with_loss):
-            return
         rec.loss = self.loss(rec.output, rec.label, rec.batch, required=False) if with_loss else None
+        if keep == 0 and drop_all_rows(rec):
+            engine.schedule.current_batch = rec.batch
 
-    def _drop_rows(self, with_loss: bool) -> bool:
-        """A batch that is all padding: cut the loaded batch, its split and the output to no rows, with a zero
-        loss (it weighs nothing in a per-sample mean, where a mean over no rows would be NaN); False (nothing
-        cut) when no output tensor has the batch's rows first, since labels cut alone would no longer match."""
-        rec, schedule = self.record, self.engine.schedule
-        rows = batch_len(rec.batch)
-        if not any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows for t in iter_leaves(rec.output)):
-            return False
-        loss = self.loss(rec.output, rec.label, rec.batch, required=False) if with_loss else None
-        rec.batch = schedule.current_batch = take_rows(rec.batch, rows, 0)
-        rec.data, rec.label, rec.output = (take_rows(part, rows, 0) for part in (rec.data, rec.label, rec.output))
-        rec.loss = None if loss is None else torch.zeros_like(loss)
-        return True
+
+def drop_all_rows(rec: Any) -> bool:
+    """An evaluation batch that is all padding, after its forward: cut ``rec``'s batch, its split, label and output
+    to no rows, and make its loss a zero (it weighs nothing in a per-sample mean, where a mean over no rows would be
+    NaN). False (nothing cut) when no output tensor has the batch's rows first, since labels cut alone would no
+    longer match the output."""
+    rows = batch_len(rec.batch)
+    if not any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows for t in iter_leaves(rec.output)):
+        return False
+    rec.batch, rec.data, rec.label, rec.output = (take_rows(part, rows, 0)
+                                                  for part in (rec.batch, rec.data, rec.label, rec.output))
+    if isinstance(rec.loss, torch.Tensor):
+        rec.loss = torch.zeros_like(rec.loss)
+    return True
 
 
 class AutoMicroBatchStep(TrainStep):

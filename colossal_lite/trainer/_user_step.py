@@ -20,7 +20,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 
 from ..core.dist import all_gather_object, rank, world_size
-from ..engine.batch import move_to_device
+from ..engine.batch import batch_len, move_to_device, take_rows
+from ..engine.step import drop_all_rows
 
 __all__ = ["UserStep", "UserStepRunner", "bind_user_step"]
 
@@ -168,15 +169,20 @@ class UserStepRunner:
                 window.close()
 
     def forward_only(self, batch: Any, with_loss: bool = True, keep: Optional[int] = None) -> None:
-        """Evaluation's step: the user's ``evaluate`` function (which sees every row, a distributed sampler's
-        padded repeats included), else the Trainer's own forward-only step on its engine."""
+        """Evaluation's step: the user's ``evaluate`` function, else the Trainer's own forward-only step on its
+        engine. Like that step, the function sees a batch's real rows only (``keep``: how many; a distributed
+        sampler's padded repeats are cut), and a batch that is all padding whole, its results then cut to none."""
         if self.eval_fn is None:
             self.default_step.forward_only(batch, with_loss, keep)
             return
         st = self.state
+        if keep:
+            batch = take_rows(batch, batch_len(batch), keep)
         st.batch, st.data = move_to_device(batch, self.main.device), None
         with _eval_mode(self.others):
             st.output, st.label, st.loss = _results(self.eval_fn(self.trainer, st.batch), "evaluate")
+        if keep == 0:
+            drop_all_rows(st)
 
 
 class EngineCheckpoint:

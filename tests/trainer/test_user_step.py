@@ -18,6 +18,7 @@ import word_language_model_loop as lm
 from dist_helpers import run_ranks
 from sync_counter import count_syncs
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import colossal_lite
 from colossal_lite.trainer import Trainer, UserStep
@@ -173,6 +174,41 @@ def test_every_engine_of_the_step_is_in_eval_mode_inside_the_evaluate_function()
     Trainer(engine_g).fit(programs.data(0), epochs=1, test_dataloader=programs.data(1)[:2], step=step, log_dir=False)
     assert modes == [(False, False, False)] * 2
     assert engine_g.training and engine_d.training and net_d.training
+
+
+@pytest.mark.parametrize("batch_size, seen, counted", [(3, [2], [2]), (2, [2, 1], [2, 0])])
+def test_the_evaluate_function_sees_the_real_rows_of_a_distributed_samplers_share(batch_size, seen, counted):
+    """Rank 1 of 2 over 5 samples holds positions 1 and 3 and a repeat of 0: the function sees the two real rows
+    (a batch that is all padding it sees whole, since every rank runs the same forwards), and no hook counts the
+    repeat, as with the Trainer's own evaluation."""
+    engine = _engine()
+    g = torch.Generator().manual_seed(1)
+    test = TensorDataset(torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g))
+    loader = DataLoader(test, batch_size=batch_size, sampler=DistributedSampler(test, num_replicas=2, rank=1,
+                                                                                shuffle=False))
+    rows, hooked = [], []
+
+    def evaluate(trainer, batch):
+        x, y = batch
+        rows.append(len(y))
+        output = engine(x)
+        return output, y, engine.criterion(output, y)
+
+    class Counted(BaseHook):
+        def after_test_iter(self, trainer, output, label, loss):
+            hooked.append((output.shape[0], label.shape[0], loss.item()))
+
+    def train(trainer, batch):
+        loss = engine.criterion(engine(batch[0]), batch[1])
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    step = UserStep(train, evaluate=evaluate)
+    Trainer(engine).fit(_batches(1), epochs=1, test_dataloader=loader, step=step, hooks=[Counted()], log_dir=False)
+    assert rows == seen
+    assert [(n, n) for n, _, _ in hooked] == [(n, n) for n in counted]
+    assert all(loss == 0.0 for n, _, loss in hooked if n == 0)  # a batch of repeats weighs nothing
 
 
 # -- bad input: the message names the fix -------------------------------------------------------------------------
