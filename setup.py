@@ -23,7 +23,7 @@ setup(
         "colorama",
         "psutil",
         # zlib-ng: the CRC-32 that checks every checkpoint file as it is written and loaded (zlib's values, faster)
-        "zlib-ng",
+        "zlib-ng>=0.5",
     ],
     extras_require={
         # mlflow-skinny is the MLflow client the tests need (the full ``mlflow`` package depends on it);

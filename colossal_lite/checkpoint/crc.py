@@ -2,9 +2,8 @@
 
 A reader such as ``torch.distributed.checkpoint`` seeks around a file (a zip archive's directory at
 its end first, then each record); ``ReadChecksum`` takes the CRC-32 of each piece as it passes,
-reads only the bytes nobody read, and joins the pieces with ``crc32_combine`` (zlib's method, which
-Python's ``zlib`` does not expose). The file is therefore read from the disk once, and its
-checksum equals the one ``io.write_file`` recorded for it.
+reads only the bytes nobody read, and joins the pieces with ``crc32_combine``. The file is therefore read from
+the disk once, and its checksum equals the one ``io.write_file`` recorded for it.
 """
 from __future__ import annotations
 
@@ -14,56 +13,11 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, List, Tuple
 
+# zlib-ng gives zlib's values with the CPU's carry-less multiply (checking a load costs far less than with zlib),
+# and exposes zlib's ``crc32_combine``, which Python's own ``zlib`` does not.
+from zlib_ng.zlib_ng import crc32, crc32_combine
+
 __all__ = ["ReadChecksum", "ChecksummingFile", "crc32", "crc32_combine"]
-
-try:  # zlib-ng's CRC-32 gives zlib's values and uses the CPU's carry-less multiply: checking a load costs far less
-    from zlib_ng.zlib_ng import crc32
-except ImportError:  # a platform without its wheel: the same checksums, slower
-    from zlib import crc32
-
-_POLY = 0xEDB88320  # the reflected CRC-32 polynomial
-
-
-def _times(matrix: List[int], vector: int) -> int:
-    """``matrix`` (32 columns over GF(2)) times ``vector``."""
-    out, i = 0, 0
-    while vector:
-        if vector & 1:
-            out ^= matrix[i]
-        vector >>= 1
-        i += 1
-    return out
-
-
-def _square(matrix: List[int]) -> List[int]:
-    return [_times(matrix, column) for column in matrix]
-
-
-def _zero_operators() -> List[List[int]]:
-    """``ops[k]``: the operator that appends 2**k zero bytes to a CRC-32 register."""
-    one_bit = [_POLY] + [1 << n for n in range(31)]
-    op = _square(_square(_square(one_bit)))  # 8 zero bits: one byte
-    ops = []
-    for _ in range(64):
-        ops.append(op)
-        op = _square(op)
-    return ops
-
-
-_OPS: List[List[int]] = []
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of ``A + B`` from ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and ``len2 = len(B)``."""
-    if not _OPS:
-        _OPS.extend(_zero_operators())
-    k = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _times(_OPS[k], crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
 
 
 class ReadChecksum:

@@ -9,19 +9,20 @@ a line of the metrics file. Names:
 - ``lr``: the learning rate of the optimizer's first parameter group, at every optimizer step;
 - ``train/<Metric>``: a train metric's value over an epoch, recorded at the epoch's last step;
 - ``test/<Metric>``: a test metric's value over one evaluation, recorded at the step it ran after;
-- measured wall times and what is computed from them (``is_measured``): ``checkpoint/blocking_s`` and
+- measured wall times and what is computed from them (``MEASURED_NAMES``): ``checkpoint/blocking_s`` and
   ``checkpoint/total_s`` of each save, ``SpeedReportHook``'s ``train/time/<phase>``, throughput and MFU.
 """
 from __future__ import annotations
 
 from array import array
+from fnmatch import fnmatchcase
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
 from ..utils.metrics_file import CSV_COLUMNS
 
-__all__ = ["History", "is_measured", "is_step_name"]
+__all__ = ["History", "MEASURED_NAMES", "is_measured", "is_step_name"]
 
 FIELDS = CSV_COLUMNS  # a record's keys are the metrics file's columns
 
@@ -31,12 +32,17 @@ def is_step_name(name: str) -> bool:
     return name == "lr" or name.endswith("_step")
 
 
+#: The record names of values measured with a clock, and of what is computed from them (``fnmatch`` patterns,
+#: a per-step ``_step`` twin included): a save's seconds (the checkpoint hooks), ``SpeedReportHook``'s phase
+#: times, throughput, MFU and the device peak it divides by (measured by a matrix product on a CPU). They differ
+#: between two runs of the same training, and between ranks. A hook that records such a value adds its name here.
+MEASURED_NAMES = ("checkpoint/*", "*/time/*", "train/samples_per_s*", "train/tokens_per_s*", "train/mfu",
+                  "train/mfu_step", "train/speed/peak_tflops")
+
+
 def is_measured(name: str) -> bool:
-    """The record name of a value measured with a clock (a save's seconds, a phase's time, a throughput, MFU): it
-    differs between two runs of the same training, and between ranks."""
-    parts = name.split("/")
-    leaf = parts[-1][:-len("_step")] if parts[-1].endswith("_step") else parts[-1]
-    return parts[0] == "checkpoint" or "time" in parts[:-1] or "_per_s" in leaf or leaf == "mfu"
+    """The record name of a value measured with a clock (``MEASURED_NAMES``)."""
+    return any(fnmatchcase(name, pattern) for pattern in MEASURED_NAMES)
 
 
 class History:

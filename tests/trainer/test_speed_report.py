@@ -16,6 +16,7 @@ from colossal_lite.cli import main as cli_main
 from colossal_lite.core.global_context import global_context as gpc
 from colossal_lite.trainer import Trainer
 from colossal_lite.trainer._timeline import HostClock, Timeline
+from colossal_lite.trainer.history import is_measured
 from colossal_lite.trainer.hooks import (
     BaseHook,
     LogMetricByEpochHook,
@@ -351,3 +352,22 @@ def test_the_bar_shortens_the_throughput_names():
     full, compact = list(info_candidates("10 batch/s", "", {"samples_per_s": 12345.6, "tokens_per_s_per_rank": 3.5}))[:2]
     assert full == "10 batch/s samples_per_s=12346 tokens_per_s_per_rank=3.5"
     assert compact == "10 batch/s samples/s=12346 tokens/s/rank=3.5"
+
+
+def test_two_runs_of_the_same_training_differ_only_in_the_clock_measured_values():
+    """``History.without_measured()`` compares two runs: what it leaves out (``MEASURED_NAMES``) is every value that
+    a clock measured, and only those (the counts of steps, micro-batches and FLOPs stay in)."""
+    runs = [fit([LossHook()], epochs=2)[1].history for _ in range(2)]
+
+    def kept(history):  # (a figure the run has not got, ops_per_micro_batch when the FLOPs are given, is NaN)
+        return [(step, epoch, name, None if value != value else value)
+                for step, epoch, name, value in history.without_measured()]
+    assert kept(runs[0]) == kept(runs[1])
+    names = set(runs[0].names)
+    measured = {name for name in names if is_measured(name)}
+    assert {"train/time/forward", "train/samples_per_s_step", "train/samples_per_s_per_rank", "train/mfu",
+            "train/mfu_step", "train/speed/peak_tflops"} <= measured
+    assert {"train/Loss_step", "train/speed/steps", "train/speed/micro_batches",
+            "train/speed/flops_per_micro_batch"} <= names - measured
+    differ = {name for name in measured if runs[0].series(name) != runs[1].series(name)}
+    assert {"train/time/forward", "train/samples_per_s_step"} <= differ
