@@ -31,7 +31,7 @@ from ._epoch import SizedEpoch, UnsizedEpoch
 from ._padding import RealRows
 from ._predict import is_loader, predict_loader
 from ._recorder import Recorder, flat_params
-from ._user_step import UserStep, bind_user_step
+from ._user_step import UserStep, bind_user_step, evaluation_step
 from .checkpointing import CheckpointSession, checkpoint_round_trip
 from .events import Event
 from .history import History
@@ -670,13 +670,18 @@ class Trainer:
 
     # -- evaluate ----------------------------------------------------------------------------------
     def evaluate(self, test_dataloader: Iterable, hooks: Optional[List[BaseHook]] = None, display_progress: bool = False,
-                 return_output_label: bool = True) -> Dict[str, float]:
-        """Run the model over ``test_dataloader`` without gradients; returns the test metrics' values (all ranks)."""
+                 return_output_label: bool = True, step: Union[UserStep, Callable, None] = None) -> Dict[str, float]:
+        """Run the model over ``test_dataloader`` without gradients; returns the test metrics' values (all ranks).
+
+        ``step``: the ``UserStep`` given to ``fit`` (its ``evaluate`` function runs each batch, as in fit's
+        evaluations), or a function ``(trainer, batch)`` -> loss or ``(output, label, loss)`` to run instead."""
         st = self.state
         st.reset_states()
         st.fitting, st.will_test = False, True
         try:
             self._attach(hooks, "evaluation")
+            if step is not None:
+                self._step = evaluation_step(step, self, self._h, self._step)
             display = bool(display_progress) and is_rank_0()
             self._eval(test_dataloader, None, display, return_output_label)
             return {name: metric.get_accumulated_value() for name, metric in self.states["metrics"]["test"].items()}

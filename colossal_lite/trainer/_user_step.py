@@ -246,6 +246,21 @@ def _check_engines(step: UserStep, trainer) -> None:
                          "Trainer's own step in pieces; give it a fixed gradient_accumulation")
 
 
+def evaluation_step(step: Union[UserStep, Callable], trainer, events, default_step) -> UserStepRunner:
+    """``Trainer.evaluate(step=...)``: a ``UserStep``'s ``evaluate`` function (None: the Trainer's own evaluation,
+    as in ``fit``), or a function ``(trainer, batch)`` that is evaluation's step itself; -> the runner."""
+    if not isinstance(step, UserStep):
+        if not callable(step):
+            raise TypeError(f"evaluate(step=...) must be a function (trainer, batch) -> loss or (output, label, loss), "
+                            f"or the UserStep given to fit, got {type(step).__name__}")
+        step = UserStep(_not_for_training, evaluate=step)
+    return UserStepRunner(step, trainer, events, default_step)
+
+
+def _not_for_training(trainer, batch):
+    raise RuntimeError("a step given to Trainer.evaluate does not train")
+
+
 def bind_user_step(step: Union[UserStep, Callable], trainer, events, default_step) -> UserStepRunner:
     """Check ``step`` against this fit (its hooks' ``events``, its loader), register the other engines for
     checkpointing (before a resume restores them) and put them in training mode; -> the runner."""

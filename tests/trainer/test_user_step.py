@@ -211,6 +211,32 @@ def test_the_evaluate_function_sees_the_real_rows_of_a_distributed_samplers_shar
     assert all(loss == 0.0 for n, _, loss in hooked if n == 0)  # a batch of repeats weighs nothing
 
 
+def test_evaluate_runs_the_user_steps_evaluate_function_as_fits_evaluations_do():
+    """``trainer.evaluate(loader, step=...)`` after ``fit(step=...)``: the same function over the same batches gives
+    fit's last evaluation's values exactly; a bare function is evaluation's step itself; a UserStep without an
+    evaluate function evaluates with the Trainer's engine and criterion, as fit does."""
+    engine = _engine()
+    calls = []
+
+    def evaluate(trainer, batch):
+        calls.append(len(batch[1]))
+        x, y = batch
+        output = engine(x)
+        return output, y, engine.criterion(output, y) * 2  # (not the criterion alone: shows which step ran)
+
+    trainer = Trainer(engine)
+    step = UserStep(_plain_step, evaluate=evaluate)
+    history = trainer.fit(_batches(), epochs=1, test_dataloader=_batches(3, seed=1), step=step, hooks=[LossHook()],
+                          log_dir=False)
+    assert calls == [4, 4, 4]
+    values = trainer.evaluate(_batches(3, seed=1), hooks=[LossHook()], step=step)
+    assert values["Loss"] == history["test/Loss"][-1] and calls == [4] * 6
+    assert trainer.evaluate(_batches(3, seed=1), hooks=[LossHook()], step=evaluate) == values and len(calls) == 9
+    own = trainer.evaluate(_batches(3, seed=1), hooks=[LossHook()])
+    assert own["Loss"] == pytest.approx(values["Loss"] / 2, rel=1e-6) and len(calls) == 9
+    assert trainer.evaluate(_batches(3, seed=1), hooks=[LossHook()], step=UserStep(_plain_step)) == own
+
+
 # -- bad input: the message names the fix -------------------------------------------------------------------------
 def _engine(accumulation=1, **config):
     model, optimizer = _classifier()
@@ -258,6 +284,9 @@ def test_bad_steps_and_engines_are_refused_with_the_fix():
         UserStep(_plain_step, engines={"d": nn.Sequential()})
     with pytest.raises(ValueError, match=r"'b' and 'a' are the same engine; name each engine once"):
         UserStep(_plain_step, engines={"a": engine, "b": engine})
+    with pytest.raises(TypeError, match=r"evaluate\(step=...\) must be a function \(trainer, batch\) -> loss or "
+                                        r"\(output, label, loss\), or the UserStep given to fit, got int"):
+        Trainer(engine).evaluate(_batches(), step=42)
 
 
 def test_engines_of_different_accumulation_need_a_loader_with_a_length():
