@@ -34,7 +34,12 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
 
 
 def first_tensor(obj: Any) -> Optional[torch.Tensor]:
-    """The first tensor in ``obj`` (depth first), or None."""
+    """The first tensor in ``obj`` (depth first), or None.
+
+    The usual batch, a list or tuple that starts with a tensor, is answered without walking it: the batch size
+    is asked for once per micro-batch."""
+    if type(obj) in (tuple, list) and obj and type(obj[0]) is torch.Tensor:
+        return obj[0]
     return next((leaf for leaf in iter_leaves(obj) if isinstance(leaf, torch.Tensor)), None)
 
 

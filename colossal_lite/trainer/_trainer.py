@@ -31,7 +31,7 @@ from ._epoch import SizedEpoch, UnsizedEpoch
 from ._padding import RealRows
 from ._predict import is_loader, predict_loader
 from ._recorder import Recorder, flat_params
-from ._user_step import UserStep, bind_user_step, evaluation_step
+from ._user_step import UserStep, UserStepRunner, bind_user_step, evaluation_step
 from .checkpointing import CheckpointSession, checkpoint_round_trip
 from .events import Event
 from .history import History
@@ -376,6 +376,11 @@ class Trainer:
         return self.state.steps_per_epoch
 
     @property
+    def user_step(self) -> Optional[UserStep]:
+        """The ``UserStep`` the running fit or evaluate was given (``step=``); None while the Trainer's own step runs."""
+        return self._step.step if isinstance(self._step, UserStepRunner) else None
+
+    @property
     def timer(self):
         """The timer of the current run (None when nothing is timed)."""
         return None if self._run_timer is _NULL_TIMER else self._run_timer
@@ -415,13 +420,18 @@ class Trainer:
             handlers = h.plain[point] if wrap is None else tuple(wrap(point, h.plain[point]))
             setattr(self._step if point == "before_load" else h, point, handlers)
 
-    def _attach(self, hooks, purpose: str, recorder: Optional[Recorder] = None) -> None:
+    def _attach(self, hooks, purpose: str, recorder: Optional[Recorder] = None,
+                user_step: Union[UserStep, Callable, None] = None) -> None:
         """Sort the run's hooks, build the event handlers and the training step that fires them (the
-        ``recorder``, when given, handles each event last)."""
+        ``recorder``, when given, handles each event last; ``user_step``: the ``step=`` of fit or evaluate, bound
+        before the hooks are told they are attached, so they can see it)."""
         self.hooks = sorted(_checked_hooks(hooks), key=lambda h: h.priority)  # stable: ties keep the list's order
         self._recorder = recorder
         self._h = _Handlers(self.hooks + ([recorder] if recorder is not None else []))
         self._step = make_train_step(self._engine, self.state, self._h, self)
+        if user_step is not None:
+            bind = bind_user_step if self.state.fitting else evaluation_step
+            self._step = bind(user_step, self, self._h, self._step)
         self._register_parts(recorder)
         if self._verbose:
             for hook in self.hooks:
@@ -500,9 +510,7 @@ class Trainer:
                                                    params=flat_params(gpc.config))
         checkpoints = None
         try:
-            self._attach(hooks, "training", recorder)
-            if step is not None:
-                self._step = bind_user_step(step, self, self._h, self._step)
+            self._attach(hooks, "training", recorder, step)
             checkpoints = self._checkpoints = CheckpointSession(self, train_dataloader, saving=not test_mode)
             checkpoints.resume(resume_from)
             if test_mode:
@@ -679,9 +687,7 @@ class Trainer:
         st.reset_states()
         st.fitting, st.will_test = False, True
         try:
-            self._attach(hooks, "evaluation")
-            if step is not None:
-                self._step = evaluation_step(step, self, self._h, self._step)
+            self._attach(hooks, "evaluation", user_step=step)
             display = bool(display_progress) and is_rank_0()
             self._eval(test_dataloader, None, display, return_output_label)
             return {name: metric.get_accumulated_value() for name, metric in self.states["metrics"]["test"].items()}

@@ -117,6 +117,7 @@ class UserStepRunner:
 
     def __init__(self, step: UserStep, trainer, events, default_step):
         self.trainer, self.state, self.events = trainer, trainer.state, events
+        self.step = step
         self.main = trainer.engine
         self.train_fn, self.eval_fn = step.train, step.evaluate
         self.default_step = default_step  # the Trainer's own step: evaluation without a function of the user's

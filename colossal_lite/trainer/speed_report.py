@@ -19,6 +19,7 @@ __all__ = ["SpeedFigures", "Cause", "rank_causes", "format_report", "figures_fro
 PHASES: Dict[str, str] = {
     "data": "waiting for data",
     "h2d": "host-to-device copies",
+    "step": "your step function (fit(step=...): its forward, backward and optimizer step, not split)",
     "forward": "forward and loss",
     "backward": "backward",
     "communication": "gradient communication (exposed)",
@@ -39,6 +40,8 @@ _SUGGESTIONS = {
     "h2d": "pin_memory=True in the DataLoader (the copies can then overlap), and move only the tensors the model needs",
     "small kernels": "many small kernels: compile=True in the config fuses them (torch.compile), or use fewer, "
                      "larger layers / a larger micro-batch",
+    "step": "the step function's own work: bf16 (fp16 = dict(mode='bf16')), a larger micro-batch, or compile=True "
+            "(the Trainer cannot split a step of your own; time its parts inside it to see which dominates)",
     "forward": "the model's own arithmetic: bf16 (fp16 = dict(mode='bf16')), a larger micro-batch, or compile=True",
     "backward": "the model's own arithmetic: bf16 (fp16 = dict(mode='bf16')), a larger micro-batch, or compile=True",
     "communication": "communication-bound: raise gradient_accumulation (one all-reduce per window), try another "

@@ -371,3 +371,26 @@ def test_two_runs_of_the_same_training_differ_only_in_the_clock_measured_values(
             "train/speed/flops_per_micro_batch"} <= names - measured
     differ = {name for name in measured if runs[0].series(name) != runs[1].series(name)}
     assert {"train/time/forward", "train/samples_per_s_step"} <= differ
+
+
+def test_a_step_of_the_users_own_is_one_phase_named_as_such():
+    """``fit(step=...)`` fires no events between its forward, backward and optimizer step: the report names the
+    step function as one phase instead of calling all of it "forward and loss"."""
+    engine, loader = build()
+
+    def train(trainer, batch):
+        x, y = batch
+        engine.zero_grad()
+        time.sleep(0.01)
+        loss = engine.criterion(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS)
+    trainer = Trainer(engine)
+    trainer.fit(loader, epochs=1, hooks=[speed, LossHook()], step=train, log_dir=False)
+    assert trainer.user_step is None  # (after fit: no step runs)
+    assert first_cause(speed).key == "step", speed.report_text
+    assert speed.figures.seconds.keys().isdisjoint({"forward", "backward", "optimizer"}), speed.figures.seconds
+    assert "your step function (fit(step=...)" in speed.report_text

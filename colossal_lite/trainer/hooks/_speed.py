@@ -160,6 +160,8 @@ class _Breakdown:
             own = (hook.sampled_backward,)
         pairs = tuple((_hook_key(fn), fn) for fn in handlers if getattr(fn, "__self__", None) is not hook)
         after = PHASE_AFTER.get(point)
+        if point == "after_batch_loaded" and self.trainer.user_step is not None:
+            after = "step"  # (its forward, backward and optimizer step fire no events to split it by)
         if point == "after_backward" and self.world > 1:  # gradient reduction (and clipping) over the ranks
             after = "communication"
         if after is None and not pairs and not own:
@@ -296,10 +298,10 @@ class SpeedReportHook(MetricHook):
                                                 self.peak_tflops, self.measure_cpu_peak)
         self.counts_tokens = hasattr(engine.reduction, "tokens")
         self._fit, self._epoch_totals = _Totals(), _Totals()
-        self._last_step: Dict[str, Any] = {}
+        self._last: Optional[Tuple[int, float, Any]] = None  # (samples, seconds, tokens) of the last step counted
         self._recorded: Dict[str, float] = {}  # seconds by timeline key up to the last record (and the warm-up's)
         self._baseline: Dict[str, float] = {}  # seconds by timeline key of the warm-up steps, left out of the report
-        self._steps_seen = self._micro_batches = self._micro_samples = 0
+        self._steps_seen = self._micro_samples = self._iteration = 0
         self._tokens: Any = None
         self._sync_watch: Any = None  # the warnings caught while torch's sync debug mode is on (False: done)
         self.sync_counts: Dict[str, int] = {}  # host syncs seen on a GPU, by Python line
@@ -332,7 +334,7 @@ class SpeedReportHook(MetricHook):
         if self._peak is not None:
             names.append("mfu")
         for name in names:
-            train[name] = _Figure(lambda n=name: self._last_step.get(n), lambda n=name: self._epoch_figures()[n],
+            train[name] = _Figure(lambda n=name: self._step_figure(n), lambda n=name: self._epoch_figures()[n],
                                   False, device, percent=name == "mfu")
         self._own = {"train": list(names), "test": []}
         if self.breakdown:
@@ -351,11 +353,13 @@ class SpeedReportHook(MetricHook):
     def _phases(self, trainer) -> List[str]:
         """The phases recorded per epoch, the same list on every rank (the hooks are the same)."""
         hooks = [HOOK_PREFIX + type(h).__name__ for h in trainer.hooks if h is not self] + [HOOK_PREFIX + "Recorder"]
-        return [p for p in PHASES if p != "evaluation"] + list(dict.fromkeys(hooks))
+        own = [p for p in PHASES if p != "evaluation" and (p != "step" or trainer.user_step is not None)]
+        return own + list(dict.fromkeys(hooks))
 
     # -- the events ------------------------------------------------------------------------------------------
     def before_train(self, trainer):
         self._stamp = time.perf_counter()
+        self._iteration = trainer.state.iteration
         if self._timing is not None and self.warmup_steps == 0:
             self._timing.step_ended(0)
 
@@ -370,12 +374,9 @@ class SpeedReportHook(MetricHook):
         """Every training iteration, in place of the hooks' ``after_train_iter`` handlers (which it calls, timed
         on a sampled step): count the micro-batch, and at an optimizer step's end its figures."""
         size = self._engine.schedule.batch_size
-        self._micro_batches += 1
         self._micro_samples += 1 if size is None else size
-        if self.flops is None and not self.flops_note:
-            self._first_count(trainer, 1 if size is None else size)
         if trainer.state.stepped:
-            self._step_done()
+            self._step_done(trainer)
         timing = self._timing
         if timing is not None and timing.sampling:
             timing.run_iter_handlers(trainer, args)
@@ -440,12 +441,17 @@ class SpeedReportHook(MetricHook):
             self.flops_note = (f"no MFU: the FLOPs could not be counted on meta tensors ({type(err).__name__}: "
                                f"{err}); give SpeedReportHook(flops_per_sample=...)")
 
-    def _step_done(self) -> None:
-        """One optimizer step ended: its figures (host numbers, and a device tensor for tokens). The warm-up steps
-        (their one-time costs: allocation, autotuning, compilation) are left out of every figure."""
+    def _step_done(self, trainer) -> None:
+        """One optimizer step ended: its totals, and its samples, seconds and tokens (a device tensor) kept for the
+        step's figures, which are computed when read (``_step_figure``). The warm-up steps (their one-time costs:
+        allocation, autotuning, compilation) are left out of every figure; the FLOPs are counted at the first."""
+        if self.flops is None and not self.flops_note:
+            size = self._engine.schedule.batch_size
+            self._first_count(trainer, 1 if size is None else size)
         now = time.perf_counter()
         seconds, self._stamp = max(now - self._stamp, 1e-9), now
-        samples, micro_batches, self._micro_samples, self._micro_batches = self._micro_samples, self._micro_batches, 0, 0
+        samples, self._micro_samples = self._micro_samples, 0
+        micro_batches, self._iteration = trainer.state.iteration - self._iteration, trainer.state.iteration
         n = self._steps_seen = self._steps_seen + 1
         if n <= self.warmup_steps + self.sync_check_steps:
             self._warming_up(n)
@@ -459,15 +465,22 @@ class SpeedReportHook(MetricHook):
         totals.seconds += seconds
         totals.steps += 1
         tokens = self._tokens
-        step = self._last_step
-        step["samples_per_s_per_rank"] = samples / seconds
-        step["samples_per_s"] = samples * self._world / seconds
         if tokens is not None:
             totals.tokens = tokens.detach().clone() if totals.tokens is None else totals.tokens + tokens
-            step["tokens_per_s_per_rank"] = tokens / seconds
-            step["tokens_per_s"] = tokens * (self._world / seconds)
-        if self._peak is not None and self.flops is not None:
-            step["mfu"] = self.flops.flops_per_sample * samples / seconds / self._peak
+        self._last = (samples, seconds, tokens)
+
+    def _step_figure(self, name: str) -> Any:
+        """The last counted optimizer step's figure ``name`` (None before one), computed from its samples, seconds
+        and tokens when a reader asks (the history at every step, a progress display at its own interval)."""
+        if self._last is None:
+            return None
+        samples, seconds, tokens = self._last
+        if name == "mfu":
+            return None if self.flops is None else self.flops.flops_per_sample * samples / seconds / self._peak
+        count = tokens if name.startswith("tokens") else samples
+        if count is None:
+            return None
+        return count / seconds if name.endswith("_per_rank") else count * (self._world / seconds)
 
     def _warming_up(self, n: int) -> None:
         """The first steps: at the warm-up's end the time so far is set aside and the breakdown starts; on a GPU
