@@ -37,7 +37,7 @@ def is_step_name(name: str) -> bool:
 #: times, throughput, MFU and the device peak it divides by (measured by a matrix product on a CPU). They differ
 #: between two runs of the same training, and between ranks. A hook that records such a value adds its name here.
 MEASURED_NAMES = ("checkpoint/*", "*/time/*", "train/samples_per_s*", "train/tokens_per_s*", "train/mfu",
-                  "train/mfu_step", "train/speed/peak_tflops")
+                  "train/speed/peak_tflops")
 
 
 def is_measured(name: str) -> bool:

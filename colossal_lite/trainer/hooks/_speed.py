@@ -334,8 +334,11 @@ class SpeedReportHook(MetricHook):
         if self._peak is not None:
             names.append("mfu")
         for name in names:
+            # per step the history keeps the all-ranks throughput only: a step's per-rank figure and MFU are it
+            # times a constant (1 / world size, FLOPs per sample / peak); the progress line shows them all
+            per_step = name in ("samples_per_s", "tokens_per_s")
             train[name] = _Figure(lambda n=name: self._step_figure(n), lambda n=name: self._epoch_figures()[n],
-                                  False, device, percent=name == "mfu")
+                                  not per_step, device, percent=name == "mfu")
         self._own = {"train": list(names), "test": []}
         if self.breakdown:
             for phase in self._phases(trainer):
