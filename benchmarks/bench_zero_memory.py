@@ -161,6 +161,8 @@ def summarise(runs: list) -> dict:
 def allocator(args) -> str:
     """The allocator settings the ranks ran under, in words."""
     trim = ", malloc_trim(0) after every step" if args.malloc_trim else ""
+    if os.environ.get("LD_PRELOAD"):
+        trim += f", LD_PRELOAD={os.environ['LD_PRELOAD']!r} (an allocator in glibc's place)"
     if args.glibc_malloc:
         return "glibc default" + trim
     tunables = os.environ.get("GLIBC_TUNABLES", "")
