@@ -12,10 +12,11 @@ way a user script does (its ``model`` and ``optimizer`` stay referenced).
   everything the process holds (tensors, allocator overhead, buffers kept between steps, code paged in);
   on CUDA ``torch.cuda.max_memory_allocated`` is reported as well.
 - tensor MiB: bytes of this rank's parameters, gradients and optimizer state after the last step.
-- step ms: median time of the steps after the measured ones.
+- step ms: median time of the steps after the measured ones; faults/step: the minor page faults (``ru_minflt``)
+  per step over those steps: fresh pages the kernel maps (and zeroes) for memory the allocator took anew.
 
 ``--glibc-malloc`` leaves glibc's allocator as it is (the library keeps its hands off when a ``glibc.malloc``
-tunable is set; ``glibc.malloc.check=0`` is glibc's default), to see what ZeRO's ``mallopt`` setting changes.
+tunable is set; ``glibc.malloc.check=0`` is glibc's default), to see what ZeRO's ``mallopt`` setting (stages 2, 3) changes.
 Other glibc settings are measured the same way, through ``GLIBC_TUNABLES`` in the environment (for example
 ``glibc.malloc.arena_max=1``); ``--malloc-trim`` calls glibc's ``malloc_trim(0)`` after every step.
 
@@ -103,7 +104,7 @@ def worker(args):
         step()
         per_step.append(peak_rss_mib() - base)
     cuda_peak = (torch.cuda.max_memory_allocated() - cuda_base) / 2**20 if cuda else None
-    times = []
+    times, faults = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(args.time_steps):
         torch.distributed.barrier()
         t0 = time.perf_counter()
@@ -111,11 +112,13 @@ def worker(args):
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / max(args.time_steps, 1)
     params = list(engine.model.parameters())
     tensors = local_bytes(params) + local_bytes(p.grad for p in params) + local_bytes(
         optimizer_state_tensors(engine.optimizer))
     result = dict(rank=gpc.get_global_rank(), per_step=per_step, tensors=tensors / 2**20, n_params=n_params,
-                  step_ms=statistics.median(times) * 1e3 if times else float("nan"), cuda_peak=cuda_peak)
+                  step_ms=statistics.median(times) * 1e3 if times else float("nan"), cuda_peak=cuda_peak,
+                  faults=faults)
     with open(os.path.join(args.out, f"rank{result['rank']}.json"), "w") as f:
         json.dump(result, f)
     gpc.destroy()
@@ -152,12 +155,14 @@ def summarise(runs: list) -> dict:
     per_step = [statistics.median(max(r["per_step"][i] for r in ranks) for ranks in runs) for i in range(steps)]
     cuda = None if runs[0][0]["cuda_peak"] is None else med("cuda_peak")
     return dict(per_step=per_step, peak=per_step[-1], tensors=med("tensors"), step_ms=med("step_ms"), cuda=cuda,
-                n_params=runs[0][0]["n_params"])
+                faults=med("faults"), n_params=runs[0][0]["n_params"])
 
 
 def allocator(args) -> str:
     """The allocator settings the ranks ran under, in words."""
     trim = ", malloc_trim(0) after every step" if args.malloc_trim else ""
+    if os.environ.get("LD_PRELOAD"):
+        trim += f", LD_PRELOAD={os.environ['LD_PRELOAD']!r} (an allocator in glibc's place)"
     if args.glibc_malloc:
         return "glibc default" + trim
     tunables = os.environ.get("GLIBC_TUNABLES", "")
@@ -174,7 +179,7 @@ def report(args, rows: dict) -> bool:
     cuda = base["cuda"] is not None
     print(f"{'':7}{'tensor MiB':>11}{'x DDP':>7}{'peak RSS growth MiB':>21}{'x DDP':>7}"
           f"{'  peak growth after each step, MiB':<40}" + (f"{'CUDA peak MiB':>15}{'x DDP':>7}" if cuda else "")
-          + f"{'step ms':>9}{'x DDP':>7}")
+          + f"{'step ms':>9}{'x DDP':>7}{'faults/step':>13}")
     ok = True
     for name, r in rows.items():
         steps = " ".join(f"{v:.0f}" for v in r["per_step"])
@@ -182,7 +187,7 @@ def report(args, rows: dict) -> bool:
                 f"{r['peak'] / base['peak']:7.2f}  {steps:<38}")
         if cuda:
             line += f"{r['cuda']:15.1f}{r['cuda'] / base['cuda']:7.2f}"
-        print(line + f"{r['step_ms']:9.1f}{r['step_ms'] / base['step_ms']:7.2f}")
+        print(line + f"{r['step_ms']:9.1f}{r['step_ms'] / base['step_ms']:7.2f}{r['faults']:13.0f}")
     for name, target in TARGETS.items():
         r = rows[name]
         # the optimizer state first exists during step 2, so steps 2 to N must hold the same peak

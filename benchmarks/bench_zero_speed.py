@@ -2,7 +2,7 @@
 
 Run: python benchmarks/bench_zero_speed.py [--models gpt2,resnet] [--precisions fp32,bf16] [--runs 4]
                                            [--rounds 4] [--steps 2] [--nproc 2] [--glibc-malloc]
-                                           [--hand-under-setting]
+                                           [--hand-under-setting] [--zero-env NAME=VALUE]
 
 Workloads (CPU, gloo on 127.0.0.1, one thread per rank, AdamW, no clipping, no accumulation):
 - ``gpt2``: a Hugging Face ``GPT2LMHeadModel`` (4 blocks, width 128, 4 heads, vocabulary 1024), sequences of 64
@@ -18,15 +18,17 @@ loss under bf16. The library runs ``initialize`` with ``zero=dict(stage=N)`` (an
 and the engine loop. Every library contestant first trains two steps beside a twin hand loop in its own process
 and must hold the same parameters and buffers (``torch.equal``).
 
-The allocator: on the CPU the library's ZeRO sets glibc's ``mallopt`` (process-wide), which a user's own loop
-does not. So the contestants live in two kinds of 2-rank launch: "plain" (every hand loop, and the library's DDP,
-which leaves the allocator alone) and "zero" (the library's ZeRO stages). ``--runs`` pairs of launches are
+The allocator: on the CPU the library's ZeRO 2 and 3 set glibc's ``mallopt`` (process-wide), which a user's own loop
+does not. So the contestants live in two kinds of 2-rank launch: "plain" (every hand loop, and the library's DDP
+and ZeRO 1, which leave the allocator alone) and "zero" (the library's ZeRO 2 and 3). ``--runs`` pairs of launches are
 alternated (plain, zero, then zero, plain); in a launch each contestant runs ``--steps`` updates per round, after
 a barrier, ``--rounds`` times. Reported per pair: the library's median ms per update over the rounds divided by
 its hand loop's; then the median of those ratios over the pairs. Target: <= 1.05. ``--hand-under-setting``
 gives the hand loops ZeRO's setting too (the library's own overhead alone); ``--glibc-malloc`` runs the library
 under glibc's defaults (it leaves the allocator alone when a ``glibc.malloc`` tunable is set;
-``glibc.malloc.check=0`` is glibc's default). The machine is shared: other processes' load shows as noise in every
+``glibc.malloc.check=0`` is glibc's default); ``--zero-env NAME=VALUE`` sets a variable for the ZeRO launches
+only (for example ``GLIBC_TUNABLES``, read by glibc at process start). Minor page faults (``ru_minflt``) per update
+are reported for each side: the fresh pages the kernel maps for memory the allocator took anew. The machine is shared: other processes' load shows as noise in every
 figure; the load average is printed.
 """
 from __future__ import annotations
@@ -42,6 +44,7 @@ import tempfile
 import time
 
 KINDS = ("ddp", "zero1", "zero2", "zero3")
+LIBRARY_IN_PLAIN = ("ddp", "zero1")  # the library's kinds that leave glibc's allocator settings alone
 TARGET = 1.05
 
 
@@ -155,7 +158,7 @@ def warmed(setup_and_step):
 
 def contestants(name: str, prec: str, rank: int, launch_kind: str):
     """{(kind, side): one update} of the contestants that run in a launch of ``launch_kind``: "plain" holds every
-    hand-written loop and the library's DDP (neither touches the allocator), "zero" the library's ZeRO stages. A
+    hand-written loop and the library's DDP and ZeRO 1 (none touches the allocator), "zero" the library's ZeRO 2/3. A
     library contestant is first checked against a twin hand loop in its own process: after two updates each, the
     same parameters and buffers (``torch.equal``)."""
     import torch
@@ -167,14 +170,14 @@ def contestants(name: str, prec: str, rank: int, launch_kind: str):
     loss_fn = criterion()
     steps = {}
     for kind in KINDS:
-        if launch_kind == "zero" and kind == "ddp":
+        if launch_kind == "zero" and kind in LIBRARY_IN_PLAIN:
             continue
         model, block = build_model(name)
         hand_model, optimizer = hand_setup(kind, model, block, dtype)
         hand = warmed(lambda m=hand_model, o=optimizer: hand_step(m, o, loss_fn, dtype, x, y))
         if launch_kind == "plain":
             steps[kind, "hand"] = hand
-        library_here = (kind == "ddp") == (launch_kind == "plain")
+        library_here = (kind in LIBRARY_IN_PLAIN) == (launch_kind == "plain")
         if not library_here:
             continue
         engine = library_setup(kind, build_model(name)[0], prec)
@@ -191,17 +194,22 @@ def contestants(name: str, prec: str, rank: int, launch_kind: str):
 def time_rounds(steps: dict, rounds: int, per_round: int) -> dict:
     """ms per update of each contestant in each round; the contestants of a launch take turns (their order
     reversed every other round), each after a barrier."""
+    import resource
+
     import torch.distributed as dist
 
     times = {key: [] for key in steps}
+    faults = {key: [] for key in steps}
     for r in range(rounds):
         for key in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
             dist.barrier()
-            t0 = time.perf_counter()
+            f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
             for _ in range(per_round):
                 steps[key]()
             times[key].append((time.perf_counter() - t0) / per_round * 1e3)
-    return {f"{k}/{s}": v for (k, s), v in times.items()}
+            faults[key].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / per_round)
+    return {**{f"{k}/{s}": v for (k, s), v in times.items()},
+            **{f"{k}/{s}/faults": v for (k, s), v in faults.items()}}
 
 
 def worker(args):
@@ -240,6 +248,8 @@ def launch(args, launch_kind: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if args.glibc_malloc:
         env["GLIBC_TUNABLES"] = "glibc.malloc.check=0"
+    if launch_kind == "zero":
+        env.update(zero_env(args))
     with tempfile.TemporaryDirectory() as out:
         proc = subprocess.run(cmd + ["--out", out], env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
@@ -249,6 +259,15 @@ def launch(args, launch_kind: str) -> dict:
             with open(os.path.join(out, f"rank{rank}.json")) as f:
                 ranks.append(json.load(f))
     return {w: {key: [max(v) for v in zip(*(r[w][key] for r in ranks))] for key in ranks[0][w]} for w in ranks[0]}
+
+
+def zero_env(args) -> dict:
+    """The ``--zero-env NAME=VALUE`` variables, set for the library's ZeRO launches only."""
+    pairs = [item.partition("=") for item in args.zero_env]
+    bad = [name for name, eq, _ in pairs if not eq or not name]
+    if bad:
+        sys.exit(f"--zero-env takes NAME=VALUE (for example GLIBC_TUNABLES=glibc.malloc.hugetlb=1); got {bad}")
+    return {name: value for name, _, value in pairs}
 
 
 def paired_launches(args) -> list:
@@ -268,15 +287,18 @@ def report(pairs: list) -> bool:
     the ratio in each pair (library median / hand median) and the median of those ratios."""
     ok = True
     med = statistics.median
-    print(f"{'workload':14}{'kind':7}{'hand ms':>9}{'lib ms':>9}{'lib/hand':>10}  per pair")
+    print(f"{'workload':14}{'kind':7}{'hand ms':>9}{'lib ms':>9}{'faults/update hand, lib':>25}{'lib/hand':>10}"
+          f"  per pair")
     for workload in pairs[0]:
         for kind in KINDS:
             hand = [med(p[workload][f"{kind}/hand"]) for p in pairs]
             lib = [med(p[workload][f"{kind}/lib"]) for p in pairs]
+            faults = [med(med(p[workload][f"{kind}/{side}/faults"]) for p in pairs) for side in ("hand", "lib")]
             ratios = [b / a for a, b in zip(hand, lib)]
             ratio = med(ratios)
             ok = ok and ratio <= TARGET
-            print(f"{workload:14}{kind:7}{med(hand):9.1f}{med(lib):9.1f}{ratio:10.3f}  "
+            print(f"{workload:14}{kind:7}{med(hand):9.1f}{med(lib):9.1f}{faults[0]:13.0f}{faults[1]:12.0f}"
+                  f"{ratio:10.3f}  "
                   f"{' '.join(f'{r:.2f}' for r in ratios)}  {'PASS' if ratio <= TARGET else 'FAIL'} (<= {TARGET})")
     return ok
 
@@ -292,6 +314,8 @@ def main():
     parser.add_argument("--glibc-malloc", action="store_true", help="the library's ZeRO without its mallopt setting")
     parser.add_argument("--hand-under-setting", action="store_true",
                         help="the hand loops (and DDP) under ZeRO's mallopt setting too: the library's own overhead")
+    parser.add_argument("--zero-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for the library's ZeRO launches only (repeatable)")
     parser.add_argument("--launch-kind", choices=("plain", "zero"), help=argparse.SUPPRESS)  # set in the ranks
     parser.add_argument("--out", help=argparse.SUPPRESS)  # the folder the ranks write their results to
     args = parser.parse_args()
@@ -302,6 +326,8 @@ def main():
     load = os.getloadavg()
     ok = report(paired_launches(args))
     zero = "glibc default" if args.glibc_malloc else "as ZeRO sets it"
+    if args.zero_env:
+        zero = f"the environment's {zero_env(args)} (ZeRO leaves a glibc.malloc tunable alone)"
     hand = "as ZeRO sets it" if args.hand_under_setting else "glibc default"
     print(f"{args.nproc} ranks, gloo, CPU, {args.runs} pairs of launches x {args.rounds} rounds x {args.steps} "
           f"updates; malloc: library ZeRO {zero}, hand loops and DDP {hand}; load average {load[0]:.1f} before, "

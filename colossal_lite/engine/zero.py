@@ -28,9 +28,9 @@ _malloc_tuned = False
 def return_large_frees_to_the_system() -> bool:
     """Make glibc map host allocations of ``LARGE_ALLOCATION_BYTES`` or more on their own and unmap them when freed.
 
-    On the CPU, ZeRO allocates and frees large buffers of many sizes in every step (FSDP2: each unit's gathered
-    parameters, the collectives' inputs and outputs, the unsharded gradients; ZeroRedundancyOptimizer: the
-    parameters it broadcasts) between long-lived ones (sharded gradients, optimizer state). glibc's default raises
+    On the CPU, ZeRO stages 2 and 3 allocate and free large buffers of many sizes in every step (FSDP2: each unit's
+    gathered parameters, the collectives' inputs and outputs, the unsharded gradients) between long-lived ones
+    (sharded gradients, optimizer state). glibc's default raises
     its mmap threshold to the largest block freed so far, so these buffers come from the heap, whose holes (pinned
     by small allocations) are not returned: resident memory grows step after step and its peak ends above DDP's.
     A fixed threshold keeps the peak at the live tensors, at the price of fresh pages (page faults) for those
@@ -111,9 +111,10 @@ class ZeroStage1Strategy(DDPStrategy):
     def setup(self, model, optimizer):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+        # No allocator setting for stage 1 (stages 2 and 3 make one): its gradients live in DDP's buckets from step
+        # to step, so no gradient-sized buffers are freed between long-lived ones, and under glibc's own thresholds
+        # its peak memory stays below its target and flat (benchmarks/RESULTS.md), without the setting's cost.
         _require_unstepped(optimizer, 1)
-        if _on_cpu(model):
-            return_large_frees_to_the_system()
         # Built over the user's own group dicts (with their per-group hyper-parameters and scheduler keys such as
         # initial_lr), and sharing their list: an LR scheduler on the user's optimizer writes the LRs that the ZeRO
         # optimizer copies into its shard's optimizer at every step.
