@@ -282,8 +282,22 @@ def test_tokens_per_second_with_the_per_token_reduction():
         trainer = Trainer(engine)
         speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS)
         trainer.fit(loader, epochs=1, hooks=[speed, LossHook()], log_dir=False)
+
+        def step(trainer, batch):  # the same training as a step of the user's own
+            engine.zero_grad()
+            loss = engine.criterion(engine(batch[0]), batch[1])
+            engine.backward(loss)
+            engine.step()
+            return loss
+        own = Trainer(engine)
+        own_speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS)
+        own.fit(loader, epochs=1, hooks=[own_speed, LossHook()], log_dir=False, step=step)
     finally:
         gpc.destroy()
+    # a step of the user's own fires no backward event, where the window's tokens are read: no token figures
+    # rather than a count of none
+    assert not any(name.startswith("train/tokens") for name in own.history.names), own.history.names
+    assert own_speed.figures.tokens_per_s is None and own.history["train/samples_per_s"]
     h = trainer.history
     assert h["train/tokens_per_s"][-1] == pytest.approx(5 * h["train/samples_per_s"][-1], rel=1e-6)
     steps = h["train/tokens_per_s_step"]

@@ -296,7 +296,8 @@ class SpeedReportHook(MetricHook):
         self._world = world_size()
         self._peak, self.peak_note = peak_flops(device_of(trainer), compute_kind(engine.precision.name),
                                                 self.peak_tflops, self.measure_cpu_peak)
-        self.counts_tokens = hasattr(engine.reduction, "tokens")
+        # the window's real tokens are read after each backward, an event a step of the user's own does not fire
+        self.counts_tokens = hasattr(engine.reduction, "tokens") and trainer.user_step is None
         self._fit, self._epoch_totals = _Totals(), _Totals()
         self._last: Optional[Tuple[int, float, Any]] = None  # (samples, seconds, tokens) of the last step counted
         self._recorded: Dict[str, float] = {}  # seconds by timeline key up to the last record (and the warm-up's)
