@@ -227,9 +227,10 @@ class CheckpointManager:
         ranks.agree(error, f"could not load checkpoint {which!r}", fallback=CheckpointError)
         candidates = ranks.broadcast(candidates)
         fall_back = isinstance(which, str) and which == "auto"
-        found_damaged: List[str] = list((damaged or {}).values()) if fall_back else []
+        passed_over = damaged if fall_back and damaged else {}
+        found_damaged: List[str] = list(passed_over.values())
         for path in map(Path, candidates):
-            if fall_back and str(path) in (damaged or {}):
+            if str(path) in passed_over:
                 continue
             loaded = self._read_verified(path, ranks, found_damaged if fall_back else None)
             if loaded is not None:

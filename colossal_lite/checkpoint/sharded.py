@@ -39,13 +39,18 @@ def sharded_checksums(folder: Path, rank: int, world_size: int) -> Dict[str, str
     return {n: file_checksum(folder / n) for n in sharded_share(names, rank, world_size)}
 
 
+def sharded_sums(meta: Dict[str, Any]) -> Dict[str, str]:
+    """``{file name inside sharded/: checksum}`` as ``meta`` records them."""
+    prefix = SHARDED_DIR + "/"
+    return {name[len(prefix):]: value for name, value in (meta.get("checksums") or {}).items()
+            if name.startswith(prefix)}
+
+
 def verify_sharded(folder: PathLike, meta: Dict[str, Any]) -> None:
     """Compare every sharded file with the checksum ``meta`` records (a reader in one process; ``load_sharded``
     checks what it reads as it reads it)."""
-    folder = Path(folder)
-    sums = meta.get("checksums") or {}
-    for name in sorted(n for n in sums if n.startswith(SHARDED_DIR + "/")):
-        verify_checksum(folder / name, sums[name])
+    for name, value in sorted(sharded_sums(meta).items()):
+        verify_checksum(Path(folder) / SHARDED_DIR / name, value)
 
 
 def save_sharded(state: Dict[str, Any], folder: Path) -> None:
@@ -69,9 +74,7 @@ def load_sharded(path: PathLike, state: Dict[str, Any]) -> Dict[str, Any]:
     if not folder.is_dir():
         raise CheckpointNotFoundError(f"checkpoint {path} has no sharded state ({folder} is missing): it was not "
                                       f"written by a zero stage 2/3 run; load it with zero stage 0/1, or merge it")
-    sums = {name[len(SHARDED_DIR) + 1:]: value for name, value in (read_meta(path).get("checksums") or {}).items()
-            if name.startswith(SHARDED_DIR + "/")}
-    reader, ranks = checking_reader(folder, sums), Ranks()
+    reader, ranks = checking_reader(folder, sharded_sums(read_meta(path))), Ranks()
     error: Optional[BaseException] = None
     read = {}
     try:

@@ -127,13 +127,18 @@ class TrainStep:
         on the whole batch when all are padding (a model may refuse an empty batch), whose output is then cut
         to no rows."""
         rec, engine = self.record, self.engine
-        if keep:
-            batch = take_rows(batch, batch_len(batch), keep)
+        batch = real_rows(batch, keep)
         rec.batch, rec.data, rec.label = engine.schedule.place(batch, engine.device)
         rec.output = call_with(self.forward, rec.data)
         rec.loss = self.loss(rec.output, rec.label, rec.batch, required=False) if with_loss else None
         if keep == 0 and drop_all_rows(rec):
             engine.schedule.current_batch = rec.batch
+
+
+def real_rows(batch: Any, keep: Optional[int]) -> Any:
+    """An evaluation batch's first ``keep`` rows, its real samples (the rest a distributed sampler's padding); the
+    batch whole when ``keep`` is None (all real) or 0 (all padding: every rank still runs one forward on it)."""
+    return take_rows(batch, batch_len(batch), keep) if keep else batch
 
 
 def drop_all_rows(rec: Any) -> bool:

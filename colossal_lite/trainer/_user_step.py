@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 
 from ..core.dist import all_gather_object, rank, world_size
-from ..engine.batch import batch_len, move_to_device, take_rows
-from ..engine.step import drop_all_rows
+from ..engine.batch import move_to_device
+from ..engine.step import drop_all_rows, real_rows
 
 __all__ = ["UserStep", "UserStepRunner", "bind_user_step"]
 
@@ -177,8 +177,7 @@ class UserStepRunner:
             self.default_step.forward_only(batch, with_loss, keep)
             return
         st = self.state
-        if keep:
-            batch = take_rows(batch, batch_len(batch), keep)
+        batch = real_rows(batch, keep)
         st.batch, st.data = move_to_device(batch, self.main.device), None
         with _eval_mode(self.others):
             st.output, st.label, st.loss = _results(self.eval_fn(self.trainer, st.batch), "evaluate")
