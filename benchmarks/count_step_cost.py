@@ -14,7 +14,11 @@ left of the shorter fit their work per fit (its start, epoch end, the report). B
 share of each (``SpeedReportHook per micro-step`` / ``per fit``).
 
     python benchmarks/count_step_cost.py [--steps 200] [--width 128] [--ll-kib 2048] [--keep-dumps DIR]
-                                         [--nonfinite-loss raise|skip|ignore]
+                                         [--nonfinite-loss raise|skip|ignore] [--parts]
+
+``--parts`` counts, instead, the Trainer with each of its parts alone (no hook; LossHook; AccuracyHook;
+LRSchedulerHook; LogMetricByStepHook; the progress display; all of them; all with ``SpeedReportHook``, with and
+without its breakdown), each over fits of n and 2n micro-steps: what each part adds per micro-step.
 
 It counts what runs in the process, not the kernel's work for it: page faults (a heap that glibc trims and
 grows again every step) cost no instruction here; ``bench_engine.py`` prints them per contestant.
@@ -51,7 +55,61 @@ CONTESTANTS = ("hand", "hand+", "engine", "trainer", "trainer+speed")  # +speed:
 #: micro-step, what is left the work of a fit (start, epoch end, the report).
 LONG = {"trainer": "trainer@2x", "trainer+speed": "trainer+speed@2x"}
 COUNTED = CONTESTANTS + tuple(LONG.values())
+#: ``--parts``: the Trainer with one part at a time -> (bench_engine's hook names, progress, SpeedReportHook's
+#: arguments or None). Each is counted over fits of n and 2n micro-steps; the hand loop over n.
+PARTS = {
+    "none": ((), False, None),
+    "loss": (("loss",), False, None),
+    "acc": (("acc",), False, None),
+    "lr": (("lr",), False, None),
+    "step": (("step",), False, None),
+    "progress": ((), True, None),
+    "all": (("loss", "acc", "lr", "step"), True, None),
+    "all+speed": (("loss", "acc", "lr", "step"), True, {}),
+    "all+speed-nobreakdown": (("loss", "acc", "lr", "step"), True, {"breakdown": False}),
+}
+PARTS_COUNTED = ("hand",) + tuple(f"{name}@{length}" for name in PARTS for length in ("1x", "2x"))
 EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
+
+
+def _inner_parts(steps: int, width: int, nonfinite_loss: str) -> None:
+    """Under valgrind, ``--parts``: the Trainer with each part of ``PARTS`` alone (a Trainer of its own each),
+    warmed up by one fit, then counted over fits of ``steps`` and ``2 * steps`` micro-steps."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    import bench_engine as be
+
+    from colossal_lite.trainer import Trainer
+    from colossal_lite.trainer.hooks import SpeedReportHook
+
+    lib = ctypes.CDLL(os.environ[_INNER])
+    torch.set_num_threads(1)
+    batches = be.Workload(in_features=width, hidden=width).batches()
+    loaders = {"1x": [batches[i % len(batches)] for i in range(steps)],
+               "2x": [batches[i % len(batches)] for i in range(2 * steps)]}
+    hand, _ = be.build_hand(be.Workload(in_features=width, hidden=width, nonfinite_loss=nonfinite_loss))
+    runs = []
+    for name, (hook_names, progress, speed) in PARTS.items():
+        w = be.Workload(in_features=width, hidden=width, hooks=hook_names, progress=progress,
+                        nonfinite_loss=nonfinite_loss)
+        engine, _, hook_list = be.trainer_setup(w)
+        runs.append((name, Trainer(engine), hook_list + ([] if speed is None else [SpeedReportHook(report=False,
+                                                                                                    **speed)]),
+                     progress))
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        for batch in loaders["1x"]:
+            hand(batch)
+        lib.count_start()
+        for batch in loaders["1x"]:
+            hand(batch)
+        lib.count_stop(b"hand")
+        for name, trainer, hook_list, progress in runs:
+            trainer.fit(loaders["1x"], epochs=1, hooks=hook_list, display_progress=progress)  # warm-up
+            for length, loader in loaders.items():
+                lib.count_start()
+                trainer.fit(loader, epochs=trainer.cur_epoch + 1, hooks=hook_list, display_progress=progress)
+                lib.count_stop(f"{name}@{length}".encode())
 
 
 def _inner(steps: int, width: int, nonfinite_loss: str) -> None:
@@ -101,7 +159,7 @@ def _need(tool: str) -> str:
     return path
 
 
-def _read_dumps(folder: str) -> Dict[str, List[int]]:
+def _read_dumps(folder: str, names) -> Dict[str, List[int]]:
     counts = {}
     for path in glob.glob(os.path.join(folder, "callgrind.out.*")):
         name, totals = None, None
@@ -111,7 +169,7 @@ def _read_dumps(folder: str) -> Dict[str, List[int]]:
                     name = line.split(": ", 3)[-1].strip()
                 elif line.startswith("totals:"):
                     totals = [int(v) for v in line.split()[1:]]
-        if name in COUNTED and totals:
+        if name in names and totals:
             counts[name] = totals
     return counts
 
@@ -132,14 +190,15 @@ def _count(args) -> Dict[str, Dict[str, int]]:
                "--I1=32768,8,64", "--D1=49152,12,64", f"--LL={args.ll_kib * 1024},16,64",
                f"--callgrind-out-file={os.path.join(tmp, 'callgrind.out.%p')}",
                os.path.realpath(sys.executable), os.path.abspath(__file__), "--steps", str(args.steps),
-               "--width", str(args.width), "--nonfinite-loss", args.nonfinite_loss]
+               "--width", str(args.width), "--nonfinite-loss", args.nonfinite_loss] + (["--parts"] if args.parts else [])
         run = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        counts = _read_dumps(tmp)
+        expected = PARTS_COUNTED if args.parts else COUNTED
+        counts = _read_dumps(tmp, expected)
         if args.keep_dumps:
             os.makedirs(args.keep_dumps, exist_ok=True)
             for path in glob.glob(os.path.join(tmp, "callgrind.out.*")):
                 shutil.copy(path, args.keep_dumps)
-        if run.returncode != 0 or set(counts) != set(COUNTED):
+        if run.returncode != 0 or set(counts) != set(expected):
             raise SystemExit(f"the counted run failed (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
     return {name: dict(zip(EVENTS, totals)) for name, totals in counts.items()}
 
@@ -177,6 +236,19 @@ def _report(counts: Dict[str, Dict[str, int]], n: int) -> None:
     print("  SpeedReportHook per fit:        " + _diff(fit["trainer+speed"], fit["trainer"]))
 
 
+def _report_parts(counts: Dict[str, Dict[str, int]], n: int) -> None:
+    """Per micro-step instructions of the Trainer with each part alone (fits of 2n less fits of n), against the
+    hand loop, and what each part adds to the Trainer with none."""
+    hand = counts["hand"]["Ir"] / n
+    step = {name: (counts[f"{name}@2x"]["Ir"] - counts[f"{name}@1x"]["Ir"]) / n for name in PARTS}
+    fit = {name: counts[f"{name}@1x"]["Ir"] - n * step[name] for name in PARTS}
+    print(f"hand loop: {hand:.0f} instructions per micro-step")
+    print(f"{'Trainer with':>24}  {'per micro-step':>14} {'vs hand':>9} {'vs none':>9} {'per fit':>10}")
+    for name in PARTS:
+        print(f"{name:>24}  {step[name]:14.0f} {step[name] - hand:+9.0f} {step[name] - step['none']:+9.0f} "
+              f"{fit[name] / 1e3:9.0f}k")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="micro-steps counted per contestant")
@@ -186,15 +258,23 @@ def main() -> None:
                                                           "for callgrind_annotate")
     parser.add_argument("--nonfinite-loss", default="raise", choices=("raise", "skip", "ignore"),
                         help="config nonfinite_loss of the engine and the Trainer ('ignore': without the loss guard)")
+    parser.add_argument("--parts", action="store_true",
+                        help="count the Trainer with each hook (and the progress display, SpeedReportHook) alone "
+                             "instead: what each part adds per micro-step")
     args = parser.parse_args()
     if _INNER in os.environ:
-        _inner(args.steps, args.width, args.nonfinite_loss)
+        (_inner_parts if args.parts else _inner)(args.steps, args.width, args.nonfinite_loss)
         return
     if args.ll_kib < 64 or args.ll_kib & (args.ll_kib - 1):
         parser.error("--ll-kib must be a power of two, at least 64")
     if args.steps < 20 or args.steps % 20:
         parser.error("--steps must be a multiple of 20 (the hand+ loop prints every tenth of its epoch)")
     counts = _count(args)
+    if args.parts:
+        print(f"workload: MLP {args.width}->{args.width}->10, batch 64, accumulation 2, clip 1; the Trainer with one "
+              f"part at a time over fits of {args.steps} and {2 * args.steps} micro-steps, counted by callgrind")
+        _report_parts(counts, args.steps)
+        return
     print(f"workload: MLP {args.width}->{args.width}->10, batch 64, accumulation 2, clip 1; {args.steps} micro-steps "
           f"per contestant, counted by callgrind (L1 32/48 KiB, LL {args.ll_kib} KiB)")
     _report(counts, args.steps)
