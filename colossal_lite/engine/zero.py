@@ -151,7 +151,7 @@ class FSDPStrategy(SingleProcess):
         self.param_dtype = param_dtype
         self.name = f"ZeRO stage {stage} (FSDP2 fully_shard)"
         self._root: Optional[nn.Module] = None
-        self.host_buffers: Optional[HostBufferPool] = None  # on the CPU: the collectives' buffers, kept
+        self.host_buffers: Optional[HostBufferPool] = None  # stage 3 on the CPU: the collectives' buffers, kept
         self._sync = True  # FSDP2's own default: gradients are reduce-scattered in every backward
 
     def setup(self, model, optimizer):
@@ -170,7 +170,10 @@ class FSDPStrategy(SingleProcess):
         for unit in units:
             fully_shard(unit, **self._shard_options(self.param_dtype))
         fully_shard(model, **self._shard_options(self.param_dtype))
-        if on_cpu:  # with a GPU, the collectives' buffers come from torch's own caching allocator
+        if on_cpu and self.reshard is True:
+            # Stage 3 only (each unit resharded after its forward): there the kept buffers cost little peak memory
+            # and save the most fresh pages. Under stage 2 they raised the peak to the edge of its target
+            # (benchmarks/RESULTS.md). With a GPU the buffers come from torch's own caching allocator.
             self.host_buffers = pool_collective_buffers(norms[:1] + units + [model])
         self._root = model
         _point_groups_at(model, optimizer, group_names)
