@@ -1,4 +1,4 @@
-"""FSDP2's collective buffers kept from step to step in host memory (ZeRO stages 2 and 3 on the CPU).
+"""FSDP2's collective buffers kept from step to step in host memory (ZeRO stage 3 on the CPU).
 
 In every step FSDP2 allocates, per unit, the all-gather output (the unit's gathered parameters), the
 reduce-scatter input (its unsharded gradients, flattened) and the reduce-scatter output (its sharded gradients,
