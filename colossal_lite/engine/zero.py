@@ -16,6 +16,7 @@ from torch import nn
 from ..checkpoint.model_state import check_model_state
 from ..core.dist import broadcast_object, is_rank_0
 from .fsdp_units import block_units, statistics_norms
+from .host_buffers import HostBufferPool, pool_collective_buffers
 from .strategy import DDPStrategy, SingleProcess
 
 # glibc mallopt parameters (malloc.h) and the size from which freed host memory goes straight back to the system
@@ -150,13 +151,15 @@ class FSDPStrategy(SingleProcess):
         self.param_dtype = param_dtype
         self.name = f"ZeRO stage {stage} (FSDP2 fully_shard)"
         self._root: Optional[nn.Module] = None
+        self.host_buffers: Optional[HostBufferPool] = None  # stage 3 on the CPU: the collectives' buffers, kept
         self._sync = True  # FSDP2's own default: gradients are reduce-scattered in every backward
 
     def setup(self, model, optimizer):
         from torch.distributed.fsdp import fully_shard
 
         _require_unstepped(optimizer, self.stage)
-        if _on_cpu(model):
+        on_cpu = _on_cpu(model)
+        if on_cpu:
             return_large_frees_to_the_system()
         group_names = _group_param_names(model, optimizer)
         units = block_units(model, self.shard_modules)
@@ -167,6 +170,11 @@ class FSDPStrategy(SingleProcess):
         for unit in units:
             fully_shard(unit, **self._shard_options(self.param_dtype))
         fully_shard(model, **self._shard_options(self.param_dtype))
+        if on_cpu and self.reshard is True:
+            # Stage 3 only (each unit resharded after its forward): there the kept buffers cost little peak memory
+            # and save the most fresh pages. Under stage 2 they raised the peak to the edge of its target
+            # (benchmarks/RESULTS.md). With a GPU the buffers come from torch's own caching allocator.
+            self.host_buffers = pool_collective_buffers(norms[:1] + units + [model])
         self._root = model
         _point_groups_at(model, optimizer, group_names)
         return model, optimizer
