@@ -10,7 +10,7 @@ FSDP2 calls by default.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -81,9 +81,15 @@ def _comm_classes():
     return PooledAllGather, PooledReduceScatter
 
 
-def pool_collective_buffers(modules: Sequence[nn.Module]) -> HostBufferPool:
-    """Give every FSDP2 unit in ``modules`` one shared pool for its all-gather and reduce-scatter buffers."""
-    pooled_all_gather, pooled_reduce_scatter = _comm_classes()
+def pool_collective_buffers(modules: Sequence[nn.Module]) -> Optional[HostBufferPool]:
+    """Give every FSDP2 unit in ``modules`` one shared pool for its all-gather and reduce-scatter buffers; None
+    (FSDP2 allocates them itself) with an older torch whose FSDP2 takes no custom collectives."""
+    if not all(hasattr(module, "set_custom_all_gather") for module in modules):
+        return None
+    try:
+        pooled_all_gather, pooled_reduce_scatter = _comm_classes()
+    except ImportError:
+        return None
     pool = HostBufferPool()
     all_gather, reduce_scatter = pooled_all_gather(pool), pooled_reduce_scatter(pool)
     for module in modules:

@@ -27,6 +27,13 @@ def test_a_buffer_is_handed_out_again_only_when_nothing_else_holds_it():
     assert pool.nbytes() == 2 * 4000 + 2000
 
 
+def test_modules_that_take_no_custom_collectives_get_no_pool():
+    """An older torch's FSDP2 units have no ``set_custom_all_gather``: FSDP2 then allocates its buffers itself."""
+    from colossal_lite.engine.host_buffers import pool_collective_buffers
+
+    assert pool_collective_buffers([torch.nn.Linear(2, 2)]) is None
+
+
 @pytest.mark.slow  # importing FSDP2 takes seconds
 def test_fsdp2_still_takes_custom_collectives_with_an_allocate_method():
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
