@@ -57,9 +57,10 @@ def _comm_classes():
     # FSDP2's interfaces for a collective's memory; torch exports them from no public module yet
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-    # the collectives FSDP2 calls by default (named ``*_single`` in newer torch, ``*_tensor`` before)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    # the collectives FSDP2 calls by default (named ``*_single`` in newer torch, ``*_tensor`` before), looked up at
+    # each call as FSDP2 does, so that whatever wraps torch.distributed's functions sees these calls too
+    all_gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    reduce_scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
     class PooledAllGather(AllGather):
         def __init__(self, pool: HostBufferPool):
@@ -69,7 +70,7 @@ def _comm_classes():
             return self.pool.take(int(torch.Size(size).numel()), dtype).view(*size)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+            return getattr(dist, all_gather)(output_tensor, input_tensor, group=group, async_op=async_op)
 
     class PooledReduceScatter(ReduceScatter):
         def __init__(self, pool: HostBufferPool):
@@ -79,7 +80,8 @@ def _comm_classes():
             return self.pool.take(int(torch.Size(size).numel()), dtype).view(*size)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            return reduce_scatter(output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op)
+            return getattr(dist, reduce_scatter)(output=output_tensor, input=input_tensor, group=group, op=op,
+                                                async_op=async_op)
 
     return PooledAllGather, PooledReduceScatter
 
