@@ -62,23 +62,20 @@ def _comm_classes():
     all_gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     reduce_scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
-    class PooledAllGather(AllGather):
+    class Pooled:
+        """A collective's memory from the pool (the part both interfaces share)."""
+
         def __init__(self, pool: HostBufferPool):
             self.pool = pool
 
         def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return self.pool.take(int(torch.Size(size).numel()), dtype).view(*size)
 
+    class PooledAllGather(Pooled, AllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             return getattr(dist, all_gather)(output_tensor, input_tensor, group=group, async_op=async_op)
 
-    class PooledReduceScatter(ReduceScatter):
-        def __init__(self, pool: HostBufferPool):
-            self.pool = pool
-
-        def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return self.pool.take(int(torch.Size(size).numel()), dtype).view(*size)
-
+    class PooledReduceScatter(Pooled, ReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             return getattr(dist, reduce_scatter)(output=output_tensor, input=input_tensor, group=group, op=op,
                                                 async_op=async_op)
