@@ -16,12 +16,17 @@ users run with torchrun, start real torchrun (``run_torchrun`` or their own comm
 """
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -99,8 +104,12 @@ def run_torchrun(script, args: Sequence[str] = (), nproc: int = 2, timeout: floa
 
 def run_ranks(script, args: Sequence[str] = (), nproc: int = 2, timeout: float = 120, env=None, cwd=None,
               check: bool = True) -> subprocess.CompletedProcess:
-    """``script args`` on ``nproc`` ranks with the environment torchrun gives its workers, forked from one fresh
+    """``script args`` on ``nproc`` ranks with the environment torchrun gives its workers, forked from an
     interpreter that imported torch once (``tests/rank_forker.py`` says what it does and does not do like torchrun).
+
+    That interpreter is this pytest process's rank server, started at the first call and forked for each launch,
+    unless the launch's environment differs from the server's in a variable read at start-up (``STARTUP_VARS``):
+    then a fresh ``python tests/rank_forker.py`` runs it. Either way the test sees the same thing.
 
     Output, exit status (1 when a rank failed), ``check`` and ``timeout`` as ``run_torchrun``; at a timeout every
     rank prints its Python stacks before it is killed, and the error shows all the ranks' output. Tests whose subject
@@ -108,10 +117,108 @@ def run_ranks(script, args: Sequence[str] = (), nproc: int = 2, timeout: float =
     """
     cmd = [sys.executable, str(REPO / "tests" / "rank_forker.py"), str(nproc), str(free_port()), str(script),
            *map(str, args)]
-    proc = _run_group(cmd, timeout, _env(env), cwd or REPO)
+    env, cwd = _env(env), cwd or REPO
+    server = _rank_server()
+    proc = server.run(cmd, timeout, env, cwd) if server.serves(env) else _run_group(cmd, timeout, env, cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc
+
+
+# Variables the interpreter, the C runtime, OpenMP or torch read as they start: a fork of the rank server keeps
+# the server's values, so a launch that sets them otherwise needs an interpreter of its own
+STARTUP_VARS = re.compile(r"PYTHON|LD_|MALLOC_|GLIBC_TUNABLES$|OMP_|GOMP_|KMP_|MKL_|TORCH|PYTORCH_|CUDA|NCCL_|"
+                          r"LANG$|LC_|TMPDIR$|TEMP$|TMP$")
+SERVER_START_S = 120.0  # for the server to import torch and answer, on a loaded machine
+_servers: Dict[int, "_RankServer"] = {}  # by pid: a process forked from pytest needs a server of its own
+CHILD_CPU_S = [0.0]  # the CPU seconds of the launches the server ran, which this process's children's do not hold
+
+
+def _rank_server() -> "_RankServer":
+    server = _servers.get(os.getpid())
+    if server is None or not server.alive():
+        server = _servers[os.getpid()] = _RankServer(_env())
+        atexit.register(server.close)
+    return server
+
+
+class _RankServer:
+    """``python tests/rank_forker.py --serve``: runs each launch as a fork of itself (the protocol is there)."""
+
+    def __init__(self, env: Dict[str, str]):
+        self.env = env
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "rank_forker.py"), "--serve"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=REPO,
+                                     start_new_session=True)  # a signal to pytest's process group is not for it
+        self.unread = b""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def serves(self, env: Dict[str, str]) -> bool:
+        changed = set(env) ^ set(self.env) | {k for k in env.keys() & self.env.keys() if env[k] != self.env[k]}
+        return not any(STARTUP_VARS.match(name) for name in changed)
+
+    def run(self, cmd, timeout: float, env, cwd) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(prefix="run_ranks-") as folder:
+            out, err = Path(folder, "stdout"), Path(folder, "stderr")
+            request = dict(argv=cmd[2:], env=env, cwd=str(cwd), stdout=str(out), stderr=str(err))
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+            pid = self._answer(SERVER_START_S)["pid"]
+            ended = None
+            try:
+                ended = self._answer(timeout)
+                if ended is None:
+                    os.kill(pid, signal.SIGUSR1)  # the ranks' stacks, written from signal handlers
+                    time.sleep(STACKS_S)
+                    _kill_group(pid)
+                    ended = self._answer(SERVER_START_S)
+                    raise AssertionError(f"timed out after {timeout} s: {' '.join(map(str, cmd))}\nstdout:\n"
+                                         f"{_read(out)}\nstderr:\n{_read(err)}")
+            finally:
+                if ended is None:  # an error here (pytest-timeout's, a Ctrl-C): no rank runs on
+                    _kill_group(pid)
+                    if self._answer(SERVER_START_S) is None:
+                        self.close()
+            CHILD_CPU_S[0] += ended["cpu"]
+            return subprocess.CompletedProcess(cmd, ended["status"], _read(out), _read(err))
+
+    def _answer(self, timeout: float) -> Optional[dict]:
+        """The server's next answer, or None when it does not come within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.unread:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"the rank server (tests/rank_forker.py --serve) ended with status "
+                                   f"{self.proc.wait()}; its error is above in this test's stderr")
+            self.unread += chunk
+        line, self.unread = self.unread.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.stdin.close()  # the server ends at the end of its input
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # the launch and its ranks are gone already
+        pass
+
+
+def _read(path: Path) -> str:
+    """A launch's output as ``subprocess`` reads it with ``text=True``."""
+    return path.read_text() if path.exists() else ""
 
 
 def _run_group(cmd, timeout: float, env, cwd) -> subprocess.CompletedProcess:

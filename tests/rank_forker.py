@@ -22,8 +22,10 @@ them): no agent, no ``TORCHELASTIC_*`` variables but the agent store's (so
 import builtins
 import faulthandler
 import gc
+import json
 import os
 import signal
+import socket
 import sys
 import time
 import types
@@ -77,9 +79,10 @@ def fresh_random_state() -> None:
         numpy.random.seed()
 
 
-def start_rank(rank: int, nproc: int, port: int, script: str, args) -> int:
+def start_rank(rank: int, nproc: int, port: int, script: str, args, listener: socket.socket) -> int:
     pid = os.fork()
     if pid == 0:  # the rank: its SystemExit leaves through this module's top level, a normal interpreter exit
+        listener.close()  # the job's store is this process's, not the rank's
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # its Python stacks, asked for at a timeout
         fresh_random_state()
@@ -127,16 +130,20 @@ def wait_all(pids: dict) -> dict:
     return codes
 
 
-def main() -> int:
-    nproc, port, script, args = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+def main(argv) -> int:
+    nproc, port, script, args = int(argv[0]), int(argv[1]), argv[2], argv[3:]
     gc.freeze()  # the ranks leave what was imported here to the OS at exit instead of collecting it
     pids = {}
     signal.signal(signal.SIGUSR1, lambda signum, frame: ask_for_stacks(pids))  # each rank puts faulthandler's instead
+    # the job's store, kept here for the whole launch as torchrun's agent keeps it, so a script that makes its process
+    # group anew finds the store it did before. Its socket listens before the forks, so each rank's first connection
+    # waits in the backlog instead of failing and sleeping in the client's retry; the store itself (and its thread)
+    # starts after them, as no thread may run in a process that forks
+    listener = socket.create_server(("127.0.0.1", port), backlog=max(16, 4 * nproc))
     for rank in range(nproc):
-        pids[start_rank(rank, nproc, port, script, args)] = rank
-    # the job's store, kept here for the whole launch as torchrun's agent keeps it (made after the forks: the ranks
-    # are clients that wait for it), so a script that makes its process group anew finds the store it did before
-    store = torch.distributed.TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False)
+        pids[start_rank(rank, nproc, port, script, args, listener)] = rank
+    store = torch.distributed.TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False,
+                                       master_listen_fd=listener.detach())
     codes = wait_all(pids)
     del store
     failed = {rank: code for rank, code in sorted(codes.items()) if code != 0}
@@ -146,5 +153,52 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def serve() -> None:
+    """``--serve``: stay up with torch imported and run launch after launch, each as a fork of this process.
+
+    Each request is one JSON line on stdin: ``{"argv": [NPROC, PORT, SCRIPT, *ARGS], "env": {...}, "cwd": ...,
+    "stdout": PATH, "stderr": PATH}``. The launch becomes what ``python rank_forker.py NPROC PORT SCRIPT ARGS``
+    started with that environment, folder and output files would be: a process of its own session (so the caller
+    can stop it and its ranks together) that exits as an interpreter does. The answers are JSON lines on stdout:
+    ``{"pid": PID}`` at once, then ``{"status": CODE, "cpu": SECONDS}`` when the launch has ended (the CPU
+    seconds of it and its ranks, which the caller's own accounting of its children cannot see). It ends when
+    stdin closes. The caller sends only launches whose start-up environment equals this process's: variables read
+    while the interpreter or torch starts cannot change after the fork.
+    """
+    gc.freeze()
+    replies = os.fdopen(os.dup(1), "w", buffering=1)  # the launches' fd 1 becomes their output file
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            replies.close()
+            become_launch(request)
+            sys.exit(main(request["argv"]))  # leaves through this module's top level: an interpreter's exit
+        replies.write(json.dumps(dict(pid=pid)) + "\n")
+        _, status, usage = os.wait4(pid, 0)
+        replies.write(json.dumps(dict(status=os.waitstatus_to_exitcode(status),
+                                      cpu=usage.ru_utime + usage.ru_stime)) + "\n")
+
+
+def become_launch(request: dict) -> None:
+    """In the fork of ``serve``: the session, folder, environment and standard streams of a new launch."""
+    os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        # O_APPEND: each write of every rank lands whole at the end, as it would in a pipe
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+    sys.argv = [sys.argv[0], *request["argv"]]
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        sys.exit(main(sys.argv[1:]))
