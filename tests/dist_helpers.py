@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -134,23 +135,28 @@ _servers: Dict[int, "_RankServer"] = {}  # by pid: a process forked from pytest 
 CHILD_CPU_S = [0.0]  # the CPU seconds of the launches the server ran, which this process's children's do not hold
 
 
+_servers_lock = threading.Lock()
+
+
 def _rank_server() -> "_RankServer":
-    server = _servers.get(os.getpid())
-    if server is None or not server.alive():
-        server = _servers[os.getpid()] = _RankServer(_env())
-        atexit.register(server.close)
-    return server
+    with _servers_lock:
+        server = _servers.get(os.getpid())
+        if server is None or not server.alive():
+            server = _servers[os.getpid()] = _RankServer(_env())
+            atexit.register(server.close)
+        return server
 
 
 class _RankServer:
     """``python tests/rank_forker.py --serve``: runs each launch as a fork of itself (the protocol is there)."""
 
     def __init__(self, env: Dict[str, str]):
-        self.env = env
+        self.env, self.sent, self.unread, self.busy = env, 0, b"", threading.Lock()
+        # its own errors go to a file of its own: the stderr of the test that started it is captured and then gone
+        self.log = tempfile.NamedTemporaryFile(prefix="rank_server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "rank_forker.py"), "--serve"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=REPO,
-                                     start_new_session=True)  # a signal to pytest's process group is not for it
-        self.unread = b""
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
+                                     cwd=REPO, start_new_session=True)  # a signal to pytest's group is not for it
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -159,45 +165,60 @@ class _RankServer:
         changed = set(env) ^ set(self.env) | {k for k in env.keys() & self.env.keys() if env[k] != self.env[k]}
         return not any(STARTUP_VARS.match(name) for name in changed)
 
-    def run(self, cmd, timeout: float, env, cwd) -> subprocess.CompletedProcess:
-        with tempfile.TemporaryDirectory(prefix="run_ranks-") as folder:
+    def run(self, cmd, timeout: float, env, cwd, plain: bool = False) -> subprocess.CompletedProcess:
+        """``cmd`` (``python rank_forker.py ...``, or ``python SCRIPT ...`` when ``plain``) as a fork of the server;
+        launches asked for from several threads at once run one after the other."""
+        with self.busy, tempfile.TemporaryDirectory(prefix="run_ranks-") as folder:
             out, err = Path(folder, "stdout"), Path(folder, "stderr")
-            request = dict(argv=cmd[2:], env=env, cwd=str(cwd), stdout=str(out), stderr=str(err))
+            self.sent += 1
+            request = dict(id=self.sent, argv=cmd[1 if plain else 2:], plain=plain, env=env, cwd=str(cwd),
+                           stdout=str(out), stderr=str(err))
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
-            pid = self._answer(SERVER_START_S)["pid"]
-            ended = None
+            started = self._answer("pid", SERVER_START_S)
+            if started is None:
+                self.close()
+                raise AssertionError(f"the rank server did not start {' '.join(cmd)} within {SERVER_START_S} s"
+                                     f"\n{self.errors()}")
+            pid, ended = started["pid"], None
             try:
-                ended = self._answer(timeout)
+                ended = self._answer("status", timeout)
                 if ended is None:
                     os.kill(pid, signal.SIGUSR1)  # the ranks' stacks, written from signal handlers
                     time.sleep(STACKS_S)
                     _kill_group(pid)
-                    ended = self._answer(SERVER_START_S)
+                    ended = self._answer("status", SERVER_START_S)
                     raise AssertionError(f"timed out after {timeout} s: {' '.join(map(str, cmd))}\nstdout:\n"
                                          f"{_read(out)}\nstderr:\n{_read(err)}")
             finally:
                 if ended is None:  # an error here (pytest-timeout's, a Ctrl-C): no rank runs on
                     _kill_group(pid)
-                    if self._answer(SERVER_START_S) is None:
+                    if self._answer("status", SERVER_START_S) is None:
                         self.close()
             CHILD_CPU_S[0] += ended["cpu"]
             return subprocess.CompletedProcess(cmd, ended["status"], _read(out), _read(err))
 
-    def _answer(self, timeout: float) -> Optional[dict]:
-        """The server's next answer, or None when it does not come within ``timeout``."""
+    def _answer(self, key: str, timeout: float) -> Optional[dict]:
+        """The server's answer ``key`` to the last request, or None when it does not come within ``timeout``
+        (an answer to an earlier request, abandoned at an error, is passed over)."""
         deadline = time.monotonic() + timeout
-        while b"\n" not in self.unread:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
-                return None
-            chunk = os.read(self.proc.stdout.fileno(), 4096)
-            if not chunk:
-                raise RuntimeError(f"the rank server (tests/rank_forker.py --serve) ended with status "
-                                   f"{self.proc.wait()}; its error is above in this test's stderr")
-            self.unread += chunk
-        line, self.unread = self.unread.split(b"\n", 1)
-        return json.loads(line)
+        while True:
+            while b"\n" not in self.unread:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                    return None
+                chunk = os.read(self.proc.stdout.fileno(), 4096)
+                if not chunk:
+                    raise RuntimeError(f"the rank server (tests/rank_forker.py --serve) ended with status "
+                                       f"{self.proc.wait()}\n{self.errors()}")
+                self.unread += chunk
+            line, self.unread = self.unread.split(b"\n", 1)
+            answer = json.loads(line)
+            if answer.get("id") == self.sent and key in answer:
+                return answer
+
+    def errors(self) -> str:
+        return f"its log {self.log.name}:\n{Path(self.log.name).read_text(errors='replace')[-3000:]}"
 
     def close(self) -> None:
         if self.alive():
@@ -207,6 +228,7 @@ class _RankServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
 
 
 def _kill_group(pid: int) -> None:
@@ -250,9 +272,13 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
 
 def run_python(script, args: Sequence[str] = (), timeout: float = 120, env=None, cwd=None,
                check: bool = True) -> subprocess.CompletedProcess:
-    """``python script args`` in a fresh process (no torchrun variables)."""
+    """``python script args`` as one process without torchrun's variables: a fork of this pytest process's rank
+    server (``run_ranks``), or a fresh interpreter when the start-up environment differs from the server's. Tests
+    whose subject is what an interpreter imports or does as it starts run their own command line instead."""
     cmd = [sys.executable, str(script), *map(str, args)]
-    proc = _run(cmd, timeout, _env(env), cwd or REPO)
+    env, cwd = _env(env), cwd or REPO
+    server = _rank_server()
+    proc = server.run(cmd, timeout, env, cwd, plain=True) if server.serves(env) else _run(cmd, timeout, env, cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc

@@ -8,6 +8,10 @@ fresh ``__main__`` module with ``sys.argv == [SCRIPT, *ARGS]`` and the script's 
 uncaught exception prints its traceback and gives status 1, and exit handlers and finalization run. The ranks
 write to this process's stdout and stderr, which are theirs too, as torchrun's workers write to its own.
 
+``python tests/rank_forker.py --serve`` is the same launcher kept running: each launch it is sent becomes a fork of
+it, so one pytest process pays for importing torch once for all its launches (``serve`` has the protocol;
+``tests/dist_helpers.py`` is its client).
+
 This process also keeps the job's store for the whole launch, as torchrun's agent does
 (``TORCHELASTIC_USE_AGENT_STORE=True``): the ranks are its clients, and a script that destroys its process group
 and makes a new one takes the same path as under torchrun.
@@ -156,12 +160,14 @@ def main(argv) -> int:
 def serve() -> None:
     """``--serve``: stay up with torch imported and run launch after launch, each as a fork of this process.
 
-    Each request is one JSON line on stdin: ``{"argv": [NPROC, PORT, SCRIPT, *ARGS], "env": {...}, "cwd": ...,
-    "stdout": PATH, "stderr": PATH}``. The launch becomes what ``python rank_forker.py NPROC PORT SCRIPT ARGS``
+    Each request is one JSON line on stdin: ``{"id": N, "argv": [NPROC, PORT, SCRIPT, *ARGS], "env": {...},
+    "cwd": ..., "stdout": PATH, "stderr": PATH}``. The launch becomes what ``python rank_forker.py NPROC PORT SCRIPT ARGS``
     started with that environment, folder and output files would be: a process of its own session (so the caller
-    can stop it and its ranks together) that exits as an interpreter does. The answers are JSON lines on stdout:
-    ``{"pid": PID}`` at once, then ``{"status": CODE, "cpu": SECONDS}`` when the launch has ended (the CPU
-    seconds of it and its ranks, which the caller's own accounting of its children cannot see). It ends when
+    can stop it and its ranks together) that exits as an interpreter does. With ``"argv": [SCRIPT, *ARGS]`` and
+    ``"plain": true`` the launch is ``python SCRIPT ARGS`` itself, one process without torchrun's variables.
+    The answers are JSON lines on stdout: ``{"id": N, "pid": PID}`` at once, then
+    ``{"id": N, "status": CODE, "cpu": SECONDS}`` when the launch has ended (the CPU seconds of it and its ranks,
+    which the caller's own accounting of its children cannot see). It ends when
     stdin closes. The caller sends only launches whose start-up environment equals this process's: variables read
     while the interpreter or torch starts cannot change after the fork.
     """
@@ -173,10 +179,14 @@ def serve() -> None:
         if pid == 0:
             replies.close()
             become_launch(request)
+            if request.get("plain"):
+                faulthandler.register(signal.SIGUSR1, all_threads=True)  # its Python stacks, asked for at a timeout
+                fresh_random_state()
+                run_as_main(request["argv"][0], request["argv"][1:])
             sys.exit(main(request["argv"]))  # leaves through this module's top level: an interpreter's exit
-        replies.write(json.dumps(dict(pid=pid)) + "\n")
+        replies.write(json.dumps(dict(id=request.get("id"), pid=pid)) + "\n")
         _, status, usage = os.wait4(pid, 0)
-        replies.write(json.dumps(dict(status=os.waitstatus_to_exitcode(status),
+        replies.write(json.dumps(dict(id=request.get("id"), status=os.waitstatus_to_exitcode(status),
                                       cpu=usage.ru_utime + usage.ru_stime)) + "\n")
 
 

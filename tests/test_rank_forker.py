@@ -1,9 +1,13 @@
 """``run_ranks`` (tests/rank_forker.py) gives each rank what torchrun gives its workers and ends it as an
 interpreter ends: the statuses, the tracebacks and the output a test reads are those of ``python script``."""
 import json
+import os
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
-from dist_helpers import run_ranks
+import dist_helpers
+import pytest
+from dist_helpers import run_python, run_ranks
 
 SCRIPT = textwrap.dedent("""
     import atexit, json, os, sys
@@ -51,3 +55,71 @@ def test_ranks_get_torchruns_environment_and_end_as_interpreters_do(tmp_path):
     assert "exec(code" not in failed.stderr  # the traceback holds the script's frames, not the launcher's
     assert "rank_forker: rank 1 of" in failed.stderr and "exited with status 1" in failed.stderr, failed.stderr
     assert failed.stdout.count("exit handler of rank 1") == 1  # exit handlers run after an uncaught exception
+
+
+# Each launch prints what it is and who started it: the launch's parent is this pytest process's rank server when
+# the server forked it, and this pytest process when a fresh interpreter ran it.
+WHO = textwrap.dedent("""
+    import json, os, sys, time
+    import torch
+
+    def parent_of(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    launcher = os.getppid() if "RANK" in os.environ else os.getpid()
+    seen = dict(rank=os.environ.get("RANK"), started_by=parent_of(launcher), argv=sys.argv[1:], path0=sys.path[0],
+                name=__name__, threads=torch.get_num_threads(), cwd=os.getcwd())
+    print(json.dumps(seen) + "\\n", end="", flush=True)
+    if sys.argv[1] == "sleep":
+        time.sleep(600)
+    if sys.argv[1] == "fail":
+        raise KeyError("the script's own error")
+""")
+
+
+def _seen(proc):
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_launches_are_forks_of_one_server_unless_a_start_up_variable_differs(tmp_path):
+    script = tmp_path / "who.py"
+    script.write_text(WHO)
+    server = dist_helpers._rank_server()
+    with ThreadPoolExecutor(2) as pool:  # asked for at once from two threads: the server runs one, then the other
+        first, second = pool.map(lambda tag: run_ranks(script, ["ok", tag], nproc=2, timeout=120, cwd=tmp_path),
+                                 ["first", "second"])
+    assert [s["started_by"] for s in _seen(first) + _seen(second)] == [server.proc.pid] * 4
+    assert [s["argv"] for s in _seen(first) + _seen(second)] == [["ok", "first"]] * 2 + [["ok", "second"]] * 2
+    assert all((s["cwd"], s["path0"], s["threads"]) == (str(tmp_path), str(tmp_path), 1) for s in _seen(first))
+
+    fresh = run_ranks(script, ["ok"], nproc=2, timeout=120, env={"OMP_NUM_THREADS": "2"})
+    assert [(s["started_by"], s["threads"]) for s in _seen(fresh)] == [(os.getpid(), 2)] * 2
+    assert dist_helpers._rank_server() is server and server.alive()
+
+
+def test_run_python_is_one_plain_process_that_ends_as_an_interpreter_does(tmp_path):
+    script = tmp_path / "who.py"
+    script.write_text(WHO)
+    cpu_before = dist_helpers.CHILD_CPU_S[0]
+    ok = run_python(script, ["ok", "--flag"], timeout=120)
+    [seen] = _seen(ok)
+    assert seen == dict(rank=None, started_by=dist_helpers._rank_server().proc.pid, argv=["ok", "--flag"],
+                        path0=str(tmp_path), name="__main__", threads=1, cwd=str(dist_helpers.REPO))
+    assert dist_helpers.CHILD_CPU_S[0] > cpu_before  # the server's children count in the tests' CPU log
+
+    failed = run_python(script, ["fail"], timeout=120, check=False)
+    assert failed.returncode == 1 and "KeyError: \"the script's own error\"" in failed.stderr
+    assert failed.stderr.startswith("Traceback") and "rank_forker" not in failed.stderr  # the script's frames only
+
+
+def test_a_launch_that_hangs_prints_its_stacks_is_killed_and_the_server_runs_the_next(tmp_path):
+    script = tmp_path / "who.py"
+    script.write_text(WHO)
+    server = dist_helpers._rank_server()
+    with pytest.raises(AssertionError, match="timed out after 5 s") as hung:
+        run_ranks(script, ["sleep"], nproc=2, timeout=5)
+    for rank in (0, 1):
+        assert f"the Python stacks of rank {rank}" in str(hung.value)
+    assert f'File "{script}", line' in str(hung.value)  # where each rank was: in the script's sleep
+    then = run_ranks(script, ["ok"], nproc=2, timeout=120)
+    assert [s["started_by"] for s in _seen(then)] == [server.proc.pid] * 2
