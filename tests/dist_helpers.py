@@ -132,10 +132,8 @@ STARTUP_VARS = re.compile(r"PYTHON|LD_|MALLOC_|GLIBC_TUNABLES$|OMP_|GOMP_|KMP_|M
                           r"LANG$|LC_|TMPDIR$|TEMP$|TMP$")
 SERVER_START_S = 120.0  # for the server to import torch and answer, on a loaded machine
 _servers: Dict[int, "_RankServer"] = {}  # by pid: a process forked from pytest needs a server of its own
-CHILD_CPU_S = [0.0]  # the CPU seconds of the launches the server ran, which this process's children's do not hold
-
-
 _servers_lock = threading.Lock()
+CHILD_CPU_S = [0.0]  # the CPU seconds of the launches the server ran, which this process's children's do not hold
 
 
 def _rank_server() -> "_RankServer":

@@ -161,15 +161,15 @@ def serve() -> None:
     """``--serve``: stay up with torch imported and run launch after launch, each as a fork of this process.
 
     Each request is one JSON line on stdin: ``{"id": N, "argv": [NPROC, PORT, SCRIPT, *ARGS], "env": {...},
-    "cwd": ..., "stdout": PATH, "stderr": PATH}``. The launch becomes what ``python rank_forker.py NPROC PORT SCRIPT ARGS``
-    started with that environment, folder and output files would be: a process of its own session (so the caller
+    "cwd": ..., "stdout": PATH, "stderr": PATH}``. The launch becomes what ``python rank_forker.py NPROC PORT
+    SCRIPT ARGS`` started with that environment, folder and output files would be: a process of its own session (so the caller
     can stop it and its ranks together) that exits as an interpreter does. With ``"argv": [SCRIPT, *ARGS]`` and
     ``"plain": true`` the launch is ``python SCRIPT ARGS`` itself, one process without torchrun's variables.
     The answers are JSON lines on stdout: ``{"id": N, "pid": PID}`` at once, then
     ``{"id": N, "status": CODE, "cpu": SECONDS}`` when the launch has ended (the CPU seconds of it and its ranks,
-    which the caller's own accounting of its children cannot see). It ends when
-    stdin closes. The caller sends only launches whose start-up environment equals this process's: variables read
-    while the interpreter or torch starts cannot change after the fork.
+    which the caller's own accounting of its children cannot see). It ends when stdin closes. The caller sends only
+    launches whose start-up environment equals this process's: variables read while the interpreter or torch
+    starts cannot change after the fork.
     """
     gc.freeze()
     replies = os.fdopen(os.dup(1), "w", buffering=1)  # the launches' fd 1 becomes their output file
@@ -193,17 +193,17 @@ def serve() -> None:
 def become_launch(request: dict) -> None:
     """In the fork of ``serve``: the session, folder, environment and standard streams of a new launch."""
     os.setsid()
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):  # first, so what fails below is reported there
         # O_APPEND: each write of every rank lands whole at the end, as it would in a pipe
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(out, fd)
         os.close(out)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
     sys.argv = [sys.argv[0], *request["argv"]]
 
 
