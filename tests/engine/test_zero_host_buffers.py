@@ -50,6 +50,7 @@ def test_fsdp2_still_takes_custom_collectives_with_an_allocate_method():
 
 RANK_SCRIPT = r'''
 import json, sys
+STEPS = 8
 import torch
 import colossal_lite
 from colossal_lite.core import global_context as gpc
@@ -69,16 +70,17 @@ if pool is None:
     gpc.destroy()
     sys.exit(0)
 x, y = torch.randn(8, 64), torch.randint(0, 4, (8,))
-sizes, kept, kept_values = [], None, None
-for i in range(4):
+counts, kept, kept_values = [], None, None
+for i in range(STEPS):
     engine.zero_grad()
     engine.backward(engine.criterion(engine(x), y))
     if i == 1:  # the user keeps a gradient past zero_grad (set_to_none): its memory must not be handed out again
         kept = next(engine.model.parameters()).grad.to_local()
         kept_values = kept.clone()
     engine.step()
-    sizes.append(pool.nbytes())
-result = dict(sizes=sizes, kept_intact=bool(torch.equal(kept, kept_values)))
+    counts.append({str(size): len(buffers) for (size, _), buffers in pool._buffers.items()})
+result = dict(counts=counts, kept_size=kept.untyped_storage().nbytes() // kept.element_size(),
+              kept_intact=bool(torch.equal(kept, kept_values)))
 with open(sys.argv[2] + f".rank{gpc.get_global_rank()}", "w") as f:
     json.dump(result, f)
 gpc.destroy()
@@ -98,9 +100,19 @@ def test_stage_2_leaves_the_collectives_buffers_to_fsdp2(tmp_path):
 
 
 def test_the_pool_stops_growing_after_the_first_step_and_spares_a_gradient_the_user_keeps(tmp_path):
+    """Over 8 steps each size gains at most one buffer after the first step, and the size the user's kept gradient
+    holds one more: a pool that handed out nothing again would gain one of every size at every step.
+
+    Not exactly flat: gloo's worker thread drops its reference to a finished collective's tensors a moment after
+    ``wait()`` returns, so a buffer asked for right then is still held, and the pool makes one spare of that size
+    (at a step that depends on timing; the spare then absorbs the next such moment)."""
     for result in _launch(tmp_path, 3):
-        sizes = result["sizes"]
-        assert sizes[0] > 0
-        # the kept gradient holds one buffer, so one more of its size is made in the step after, then no more
-        assert sizes[2] == sizes[3], sizes
+        first, last = result["counts"][0], result["counts"][-1]
+        assert first and set(last) == set(first), result["counts"]  # every step asks for the same sizes
+        kept = str(result["kept_size"])  # the buffer the kept gradient is a view of
+        assert kept in first
+        for size in first:
+            allowed = 2 if size == kept else 1  # a spare after a timing race; the kept gradient's own replacement
+            assert last[size] - first[size] <= allowed, (size, result["counts"])
+        assert last[kept] > first[kept]  # the kept gradient's buffer was not handed out again
         assert result["kept_intact"]
