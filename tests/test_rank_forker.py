@@ -97,6 +97,19 @@ def test_launches_are_forks_of_one_server_unless_a_start_up_variable_differs(tmp
     assert dist_helpers._rank_server() is server and server.alive()
 
 
+def test_the_inductor_cache_folder_torch_sets_at_its_first_compile_does_not_stop_the_forks(tmp_path, monkeypatch):
+    # torch.compile in a test writes TORCHINDUCTOR_CACHE_DIR into pytest's environment; torch reads it only when it
+    # compiles, so the launches after it are still forks, and each sees the folder its environment gives
+    script = tmp_path / "cache_dir.py"
+    script.write_text(WHO + 'print(json.dumps(dict(cache=os.environ.get("TORCHINDUCTOR_CACHE_DIR"))) + "\\n", end="")\n')
+    server = dist_helpers._rank_server()  # started before the variable is set, as after an earlier test's compile
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    assert server.env.get("TORCHINDUCTOR_CACHE_DIR") != str(tmp_path / "inductor")
+    seen = _seen(run_ranks(script, ["ok"], nproc=2, timeout=120))
+    assert [s["started_by"] for s in seen if "started_by" in s] == [server.proc.pid] * 2
+    assert [s["cache"] for s in seen if "cache" in s] == [str(tmp_path / "inductor")] * 2
+
+
 def test_run_python_is_one_plain_process_that_ends_as_an_interpreter_does(tmp_path):
     script = tmp_path / "who.py"
     script.write_text(WHO)
