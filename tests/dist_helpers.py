@@ -127,12 +127,13 @@ def run_ranks(script, args: Sequence[str] = (), nproc: int = 2, timeout: float =
 
 
 # Variables the interpreter, the C runtime, OpenMP or torch read as they start: a fork of the rank server keeps
-# the server's values, so a launch that sets them otherwise needs an interpreter of its own. Except the inductor's
-# cache folder: torch writes it into this process's environment at its first compile (so every later launch would
-# differ from the server) and reads it only when it compiles, after the fork has been given the launch's environment.
-STARTUP_VARS = re.compile(r"(?!TORCHINDUCTOR_CACHE_DIR$)"
-                          r"(PYTHON|LD_|MALLOC_|GLIBC_TUNABLES$|OMP_|GOMP_|KMP_|MKL_|TORCH|PYTORCH_|CUDA|NCCL_|"
-                          r"LANG$|LC_|TMPDIR$|TEMP$|TMP$)")
+# the server's values, so a launch that sets them otherwise needs an interpreter of its own
+STARTUP_VARS = re.compile(r"PYTHON|LD_|MALLOC_|GLIBC_TUNABLES$|OMP_|GOMP_|KMP_|MKL_|TORCH|PYTORCH_|CUDA|NCCL_|"
+                          r"LANG$|LC_|TMPDIR$|TEMP$|TMP$")
+# ... but not these, which match the pattern and are read only when used, after the fork has the launch's
+# environment. torch writes the inductor's cache folder into this process's environment at its first compile, so
+# counting it would send every later launch of the worker to a fresh interpreter.
+READ_WHEN_USED = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 SERVER_START_S = 120.0  # for the server to import torch and answer, on a loaded machine
 _servers: Dict[int, "_RankServer"] = {}  # by pid: a process forked from pytest needs a server of its own
 _servers_lock = threading.Lock()
@@ -164,7 +165,7 @@ class _RankServer:
 
     def serves(self, env: Dict[str, str]) -> bool:
         changed = set(env) ^ set(self.env) | {k for k in env.keys() & self.env.keys() if env[k] != self.env[k]}
-        return not any(STARTUP_VARS.match(name) for name in changed)
+        return not any(STARTUP_VARS.match(name) for name in changed - READ_WHEN_USED)
 
     def run(self, cmd, timeout: float, env, cwd, plain: bool = False) -> subprocess.CompletedProcess:
         """``cmd`` (``python rank_forker.py ...``, or ``python SCRIPT ...`` when ``plain``) as a fork of the server;

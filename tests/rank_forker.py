@@ -193,8 +193,8 @@ def serve() -> None:
 def leave(status: int) -> None:
     """The launching process's own end, after its ranks': flush its output and exit without the interpreter's
     teardown. It stands for torchrun's agent, whose teardown no test looks at; the ranks, which are the tests'
-    subject, end as an interpreter ends. In a fork of the server that teardown is most of a short launch's cost: it
-    writes reference counts into every page the fork shares with the server, so the kernel copies each one."""
+    subject, end as an interpreter ends. In a fork of the server that teardown is a large share of a short launch's
+    CPU: it writes reference counts into every page the fork shares with the server, so the kernel copies each one."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
