@@ -6,7 +6,9 @@ contestants (same workload, same hooks, progress on) under valgrind's callgrind 
 reports, per micro-step, the instructions executed (Ir), the level-1 instruction and data cache misses and
 the misses of a last-level cache (2 MiB by default; at bench_engine's width the model's kernels flush an L2
 of that size between two steps). Counts repeat within about 0.5 % of the hand loop's total (a few thousand instructions per
-micro-step), so a change of the Trainer's overhead shows up in one run.
+micro-step), so a change of the Trainer's overhead shows up in one run. Python's cyclic garbage collector is
+collected before each counted stretch and off during it: where its collections land would move a count by up to
+~10 k instructions per micro-step between runs.
 
 The two Trainer contestants (``trainer``, and ``trainer+speed`` with ``SpeedReportHook()``) are also counted over
 a fit twice as long, in the same process: the difference of the two lengths is their work per micro-step, what is
@@ -15,10 +17,16 @@ share of each (``SpeedReportHook per micro-step`` / ``per fit``).
 
     python benchmarks/count_step_cost.py [--steps 200] [--width 128] [--ll-kib 2048] [--keep-dumps DIR]
                                          [--nonfinite-loss raise|skip|ignore] [--parts]
+    python benchmarks/count_step_cost.py --bytecodes [--diff A,B] [--steps 200] [--width 128]
 
 ``--parts`` counts, instead, the Trainer with each of its parts alone (no hook; LossHook; AccuracyHook;
 LRSchedulerHook; LogMetricByStepHook; the progress display; all of them; all with ``SpeedReportHook``, with and
 without its breakdown), each over fits of n and 2n micro-steps: what each part adds per micro-step.
+
+``--bytecodes`` runs the same parts without valgrind (seconds) and counts the Python bytecodes each function runs
+(``sys.settrace``): the interpreter's share of a part, which is nearly all of what a hook adds, attributed by
+function (``--diff all,all+speed`` lists the functions one part adds over another). Bytecodes are not equally
+costly (a call costs more than a load), so use it to aim a cut and callgrind to size it.
 
 It counts what runs in the process, not the kernel's work for it: page faults (a heap that glibc trims and
 grows again every step) cost no instruction here; ``bench_engine.py`` prints them per contestant.
@@ -35,13 +43,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import gc
 import glob
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _TOGGLE_C = r"""
@@ -72,9 +81,25 @@ PARTS_COUNTED = ("hand",) + tuple(f"{name}@{length}" for name in PARTS for lengt
 EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 
 
-def _inner_parts(steps: int, width: int, nonfinite_loss: str) -> None:
-    """Under valgrind, ``--parts``: the Trainer with each part of ``PARTS`` alone (a Trainer of its own each),
-    warmed up by one fit, then counted over fits of ``steps`` and ``2 * steps`` micro-steps."""
+@contextlib.contextmanager
+def _counted(lib, name: str):
+    """Count what runs inside under ``name``, with Python's cyclic garbage collector collected before and off
+    during: where its collections land moves a contestant's count by up to ~10 k instructions per micro-step
+    from one run (or one code change) to the next, which would hide the differences this script is for."""
+    gc.collect()
+    gc.disable()
+    lib.count_start()
+    try:
+        yield
+    finally:
+        lib.count_stop(name.encode())
+        gc.enable()
+
+
+def _run_parts(steps: int, width: int, nonfinite_loss: str, counted) -> None:
+    """The Trainer with each part of ``PARTS`` alone (a Trainer of its own each), warmed up by one fit, then run
+    over fits of ``steps`` and ``2 * steps`` micro-steps inside ``counted(name)`` (a context manager); the hand
+    loop over ``steps`` micro-steps, as ``'hand'``."""
     import torch
 
     sys.path.insert(0, HERE)
@@ -83,7 +108,6 @@ def _inner_parts(steps: int, width: int, nonfinite_loss: str) -> None:
     from colossal_lite.trainer import Trainer
     from colossal_lite.trainer.hooks import SpeedReportHook
 
-    lib = ctypes.CDLL(os.environ[_INNER])
     torch.set_num_threads(1)
     batches = be.Workload(in_features=width, hidden=width).batches()
     loaders = {"1x": [batches[i % len(batches)] for i in range(steps)],
@@ -100,16 +124,79 @@ def _inner_parts(steps: int, width: int, nonfinite_loss: str) -> None:
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
         for batch in loaders["1x"]:
             hand(batch)
-        lib.count_start()
-        for batch in loaders["1x"]:
-            hand(batch)
-        lib.count_stop(b"hand")
+        with counted("hand"):
+            for batch in loaders["1x"]:
+                hand(batch)
         for name, trainer, hook_list, progress in runs:
             trainer.fit(loaders["1x"], epochs=1, hooks=hook_list, display_progress=progress)  # warm-up
             for length, loader in loaders.items():
-                lib.count_start()
-                trainer.fit(loader, epochs=trainer.cur_epoch + 1, hooks=hook_list, display_progress=progress)
-                lib.count_stop(f"{name}@{length}".encode())
+                with counted(f"{name}@{length}"):
+                    trainer.fit(loader, epochs=trainer.cur_epoch + 1, hooks=hook_list, display_progress=progress)
+
+
+def _inner_parts(steps: int, width: int, nonfinite_loss: str) -> None:
+    """Under valgrind, ``--parts``: each part counted by callgrind."""
+    lib = ctypes.CDLL(os.environ[_INNER])
+    _run_parts(steps, width, nonfinite_loss, lambda name: _counted(lib, name))
+
+
+Code = Tuple[str, int, str]  # a Python function: (file, first line, name)
+
+
+def _count_bytecodes(steps: int, width: int, nonfinite_loss: str) -> Dict[str, Dict[Code, int]]:
+    """``--bytecodes``: the Python bytecodes each part runs, by function (``sys.settrace`` with opcode events;
+    the garbage collector off while counting, as under callgrind) -> {contestant: {function: bytecodes}}."""
+    counts: Dict[str, Dict[Code, int]] = {}
+    current: Dict[Code, int] = {}
+
+    def trace(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            code = frame.f_code
+            key = (code.co_filename, code.co_firstlineno, code.co_name)
+            current[key] = current.get(key, 0) + 1
+        return trace
+
+    @contextlib.contextmanager
+    def counted(name: str):
+        current.clear()
+        gc.collect()
+        gc.disable()
+        sys.settrace(trace)
+        try:
+            yield
+        finally:
+            sys.settrace(None)
+            gc.enable()
+            counts[name] = dict(current)
+
+    _run_parts(steps, width, nonfinite_loss, counted)
+    return counts
+
+
+def _report_bytecodes(counts: Dict[str, Dict[Code, int]], n: int, diff: Optional[Tuple[str, str]]) -> None:
+    """Bytecodes per micro-step of each part (fits of 2n less fits of n) and of the hand loop; with ``diff``
+    ``(a, b)``, the functions whose bytecodes per micro-step differ most between b and a."""
+    def per_step(name: str) -> Dict[Code, float]:
+        if name == "hand":
+            return {key: value / n for key, value in counts["hand"].items()}
+        short, long = counts[f"{name}@1x"], counts[f"{name}@2x"]
+        return {key: (long.get(key, 0) - short.get(key, 0)) / n for key in set(short) | set(long)}
+
+    hand = sum(per_step("hand").values())
+    none = sum(per_step("none").values())
+    print(f"hand loop: {hand:.1f} Python bytecodes per micro-step")
+    print(f"{'Trainer with':>24}  {'per micro-step':>14} {'vs hand':>9} {'vs none':>9}")
+    for name in PARTS:
+        total = sum(per_step(name).values())
+        print(f"{name:>24}  {total:14.1f} {total - hand:+9.1f} {total - none:+9.1f}")
+    if diff:
+        a, b = (per_step(name) for name in diff)
+        delta = {key: b.get(key, 0.0) - a.get(key, 0.0) for key in set(a) | set(b)}
+        print(f"by function, {diff[1]} - {diff[0]} (bytecodes per micro-step):")
+        for (path, line, name), value in sorted(delta.items(), key=lambda kv: -abs(kv[1]))[:30]:
+            if abs(value) >= 0.5:
+                print(f"  {value:+8.1f}  {os.path.basename(path)}:{line} {name}")
 
 
 def _inner(steps: int, width: int, nonfinite_loss: str) -> None:
@@ -139,16 +226,14 @@ def _inner(steps: int, width: int, nonfinite_loss: str) -> None:
         for name in COUNTED:
             if name.startswith("trainer"):
                 hooks = with_speed if name.startswith("trainer+speed") else hook_list
-                lib.count_start()
-                trainer.fit(long_loader if name in LONG.values() else loader, epochs=trainer.cur_epoch + 1,
-                            hooks=hooks, display_progress=True)
-                lib.count_stop(name.encode())
+                with _counted(lib, name):
+                    trainer.fit(long_loader if name in LONG.values() else loader, epochs=trainer.cur_epoch + 1,
+                                hooks=hooks, display_progress=True)
             else:
                 step = steps_by_name[name]
-                lib.count_start()
-                for batch in loader:
-                    step(batch)
-                lib.count_stop(name.encode())
+                with _counted(lib, name):
+                    for batch in loader:
+                        step(batch)
 
 
 def _need(tool: str) -> str:
@@ -261,7 +346,20 @@ def main() -> None:
     parser.add_argument("--parts", action="store_true",
                         help="count the Trainer with each hook (and the progress display, SpeedReportHook) alone "
                              "instead: what each part adds per micro-step")
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="--parts, counting Python bytecodes by function instead of running callgrind (seconds, "
+                             "no valgrind): where the interpreter's work goes")
+    parser.add_argument("--diff", metavar="A,B", help="with --bytecodes: the functions that differ most between two "
+                                                     "of the parts (or 'hand'), e.g. all,all+speed")
     args = parser.parse_args()
+    diff = tuple(args.diff.split(",")) if args.diff else None
+    if diff and (len(diff) != 2 or not set(diff) <= set(PARTS) | {"hand"}):
+        parser.error(f"--diff takes two of {', '.join(('hand',) + tuple(PARTS))}, comma-separated")
+    if args.bytecodes:
+        print(f"workload: MLP {args.width}->{args.width}->10, batch 64, accumulation 2, clip 1; the Trainer with one "
+              f"part at a time over fits of {args.steps} and {2 * args.steps} micro-steps, Python bytecodes counted")
+        _report_bytecodes(_count_bytecodes(args.steps, args.width, args.nonfinite_loss), args.steps, diff)
+        return
     if _INNER in os.environ:
         (_inner_parts if args.parts else _inner)(args.steps, args.width, args.nonfinite_loss)
         return

@@ -60,8 +60,10 @@ class AccumulationWindow:
         return MicroBatch(divisor, index == start, index == start + divisor - 1)
 
     def plans(self, length: int) -> List[MicroBatch]:
-        """The place of every micro-batch of an epoch of ``length`` (worked out once per epoch)."""
-        return [self.plan(i, length) for i in range(length)]
+        """The place of every micro-batch of an epoch of ``length`` (worked out once per epoch): the places of a
+        full window repeated, then those of the shorter window the epoch may end with."""
+        full, rest = divmod(length, self.size)
+        return [self.plan(i, self.size) for i in range(self.size)] * full + [self.plan(i, rest) for i in range(rest)]
 
     def counted(self) -> MicroBatch:
         """Place of the next micro-batch when nobody said where the epoch ends: every window is full."""

@@ -110,9 +110,11 @@ class RaiseOnNonFinite(IgnoreNonFinite):
         n = self._watched
         if not n:
             return None
+        sums = self._ring.tolist()
+        if math.isfinite(sums[(n - 1) % self.ring_size]):  # the last running sum is finite only if every loss was
+            return None
         kept = min(n, self.ring_size)
         start = (n - kept) % self.ring_size
-        sums = self._ring.tolist()
         order = [(start + j) % self.ring_size for j in range(kept)]
         for j, i in enumerate(order):
             if not math.isfinite(sums[i]):

@@ -174,8 +174,7 @@ class Recorder(BaseHook):
 
     def _publish(self, points: List[Tuple[int, int, float, Dict[str, float]]]) -> None:
         """``(step, epoch, time, {name: value})`` into the history, then to the trackers (rank 0)."""
-        for step, epoch, at, metrics in points:
-            self.history.add_values(step, epoch, at, metrics)
+        self.history.add_points(points)
         if not (self._writes and self.trackers):
             return
         for step, epoch, at, metrics in points:

@@ -30,8 +30,9 @@ class HostClock:
     def wait(self, last: Any) -> None:
         """Block until the mark ``last`` is done (a host mark is done when made)."""
 
-    def release(self, marks) -> None:
-        """The marks are read: a clock may reuse them."""
+    def release(self, spans, open_mark: Any) -> None:
+        """The ``(phase, start, end)`` spans are read: a clock may reuse their marks, all but ``open_mark``
+        (where the running phase started). Host marks are numbers: nothing to reuse."""
 
 
 class DeviceClock(HostClock):
@@ -53,8 +54,9 @@ class DeviceClock(HostClock):
     def wait(self, last) -> None:
         last.synchronize()
 
-    def release(self, marks) -> None:
-        self._free.extend(marks)
+    def release(self, spans, open_mark) -> None:
+        # a mark ends one span and starts the next: each event once
+        self._free.extend({id(m): m for _, a, b in spans for m in (a, b) if m is not open_mark}.values())
 
 
 def make_clock(device: torch.device) -> HostClock:
@@ -95,5 +97,5 @@ class Timeline:
             self.clock.wait(spans[-1][2])
             for phase, start, end in spans:
                 self.totals[phase] += self.clock.seconds(start, end)
-            self.clock.release({id(m): m for _, a, b in spans for m in (a, b) if m is not self._start}.values())
+            self.clock.release(spans, self._start)
         return self.totals

@@ -61,26 +61,30 @@ class History:
     def _clear(self) -> None:
         self._names: List[str] = []
         self._index: Dict[str, int] = {}
-        self._columns = {"step": array("q"), "epoch": array("q"), "name": array("i"), "value": array("d"),
-                         "time": array("d")}
+        self._columns = {column: array(code) for column, code in zip(FIELDS, "qqidd")}
 
     def add(self, records: Iterable[Dict[str, Any]]) -> None:
         """Append records (dicts with ``step``, ``epoch``, ``name``, ``value``, ``time``)."""
-        for r in records:
-            self.add_values(r["step"], r["epoch"], r["time"], {r["name"]: r["value"]})
+        self.add_points([(r["step"], r["epoch"], r["time"], {r["name"]: r["value"]}) for r in records])
 
     def add_values(self, step: int, epoch: int, time: float, values: Dict[str, float]) -> None:
         """One record per ``{name: value}``, all at ``step`` of ``epoch``, recorded at wall time ``time``."""
-        cols, index = self._columns, self._index
-        for name, value in values.items():
-            if name not in index:
-                index[name] = len(self._names)
-                self._names.append(name)
-            cols["step"].append(step)
-            cols["epoch"].append(epoch)
-            cols["name"].append(index[name])
-            cols["value"].append(value)
-            cols["time"].append(time)
+        self.add_points([(step, epoch, time, values)])
+
+    def add_points(self, points: Iterable[Tuple[int, int, float, Dict[str, float]]]) -> None:
+        """The records of several steps, ``(step, epoch, time, {name: value})`` each, appended column by
+        column (a flush of the per-step values adds hundreds at once)."""
+        index = self._index
+        rows = [(step, epoch, index[name] if name in index else self._new_name(name), value, time)
+                for step, epoch, time, values in points for name, value in values.items()]
+        if rows:
+            for column, column_values in zip(FIELDS, zip(*rows)):
+                self._columns[column].extend(column_values)
+
+    def _new_name(self, name: str) -> int:
+        index = self._index[name] = len(self._names)
+        self._names.append(name)
+        return index
 
     def __len__(self) -> int:
         return len(self._columns["step"])

@@ -20,6 +20,8 @@ PHASES: Dict[str, str] = {
     "data": "waiting for data",
     "h2d": "host-to-device copies",
     "step": "your step function (fit(step=...): its forward, backward and optimizer step, not split)",
+    "auto": "forward, loss and backward (gradient_accumulation='auto' runs them as one unit, split when memory "
+            "runs out)",
     "forward": "forward and loss",
     "backward": "backward",
     "communication": "gradient communication (exposed)",
@@ -29,6 +31,8 @@ PHASES: Dict[str, str] = {
     "loop": "the trainer's own loop (progress display, bookkeeping; a loader without len is read ahead here)",
 }
 HOOK_PREFIX = "hook:"  # a hook's own time is the phase "hook:<its class name>"
+#: The phases that run the model's forward and backward (whichever of them a run has).
+COMPUTE_PHASES = ("auto", "forward", "backward")
 
 #: The fixed cost of launching one operator (the framework's dispatch and, on a GPU, the kernel launch): an
 #: operator whose arithmetic at the device's peak takes less than this is dominated by its launch.
@@ -42,6 +46,8 @@ _SUGGESTIONS = {
                      "larger layers / a larger micro-batch",
     "step": "the step function's own work: bf16 (fp16 = dict(mode='bf16')), a larger micro-batch, or compile=True "
             "(the Trainer cannot split a step of your own; time its parts inside it to see which dominates)",
+    "auto": "the model's own arithmetic: bf16 (fp16 = dict(mode='bf16')) or compile=True; a fixed "
+            "gradient_accumulation (the split the log says the run settled on) times forward and backward apart",
     "forward": "the model's own arithmetic: bf16 (fp16 = dict(mode='bf16')), a larger micro-batch, or compile=True",
     "backward": "the model's own arithmetic: bf16 (fp16 = dict(mode='bf16')), a larger micro-batch, or compile=True",
     "communication": "communication-bound: raise gradient_accumulation (one all-reduce per window), try another "
@@ -97,7 +103,7 @@ def _small_kernels(figures: SpeedFigures) -> bool:
         return False
     if figures.flops_per_micro_batch is not None and figures.peak_flops:
         return figures.flops_per_micro_batch / ops / figures.peak_flops < SMALL_KERNEL_S
-    compute = figures.seconds.get("forward", 0.0) + figures.seconds.get("backward", 0.0)
+    compute = sum(figures.seconds.get(key, 0.0) for key in COMPUTE_PHASES)
     return compute / (ops * figures.micro_batches) < SMALL_KERNEL_S
 
 
@@ -107,7 +113,7 @@ def _rows(figures: SpeedFigures) -> List[tuple]:
     seconds = dict(figures.seconds)
     rows = []
     if _small_kernels(figures):
-        compute = seconds.pop("forward", 0.0) + seconds.pop("backward", 0.0)
+        compute = sum(seconds.pop(key, 0.0) for key in COMPUTE_PHASES)
         ops = figures.ops_per_micro_batch * figures.micro_batches
         rows.append(("small kernels", compute, f"forward and backward: many small kernels ({figures.ops_per_micro_batch:.0f} "
                                                f"operators per micro-batch, {compute / ops * 1e6:.1f} us each)"))

@@ -72,3 +72,17 @@ def test_a_second_step_call_without_a_micro_batch_does_not_advance_the_window(la
     assert engine.window.micro_step == 1
     engine.backward(LOSS(engine(x2), y2))
     assert engine.step() is True and engine.num_updates == 1
+
+
+def test_an_epochs_plans_are_each_micro_batchs_own_place():
+    """The epoch's places are built from one full window repeated: the same as working out each index alone
+    (a last window of the rest divides by its own size, opens and closes where it should)."""
+    from colossal_lite.engine.accumulation import AccumulationWindow, MicroBatch
+
+    for size in (1, 2, 3, 4):
+        window = AccumulationWindow(size)
+        for length in range(14):
+            assert window.plans(length) == [window.plan(i, length) for i in range(length)], (size, length)
+    assert AccumulationWindow(3).plans(5) == [MicroBatch(3, True, False), MicroBatch(3, False, False),
+                                             MicroBatch(3, False, True), MicroBatch(2, True, False),
+                                             MicroBatch(2, False, True)]

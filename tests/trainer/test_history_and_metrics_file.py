@@ -277,6 +277,14 @@ def test_a_history_keeps_columns_round_trips_and_names_what_it_has():
         again["test/Accuracy"]
     again.truncate(20)
     assert [r["step"] for r in again.records][-1] == 20 and "test/Loss" not in again
+    # a flush adds many steps at once: the same records as one step at a time, a name first seen midway included
+    points = [(31, 3, 3.0, {"lr": 0.1, "train/Loss_step": 2}), (32, 3, 3.5, {}), (33, 3, 4.0, {"train/new_step": 1.5})]
+    one_by_one = History()
+    for point in points:
+        one_by_one.add_values(*point)
+    again.add_points(points)
+    assert again.records[-3:] == one_by_one.records and again.names[-1] == "train/new_step"
+    assert again.series("train/Loss_step")[-1] == (31, 2.0)
 
 
 DRAIN = textwrap.dedent('''

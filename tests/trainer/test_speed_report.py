@@ -15,7 +15,7 @@ import colossal_lite
 from colossal_lite.cli import main as cli_main
 from colossal_lite.core.global_context import global_context as gpc
 from colossal_lite.trainer import Trainer
-from colossal_lite.trainer._timeline import HostClock, Timeline
+from colossal_lite.trainer._timeline import DeviceClock, HostClock, Timeline
 from colossal_lite.trainer.history import is_measured
 from colossal_lite.trainer.hooks import (
     BaseHook,
@@ -337,6 +337,25 @@ def test_timeline_on_the_host_clock_gives_each_phase_its_time():
     assert timeline.settle() is totals and totals["a"] == totals["a"]  # settled spans are not counted twice
 
 
+def test_a_device_clock_reuses_each_read_mark_once_and_never_the_running_phases_start():
+    class Watched(HostClock):  # the host clock, telling what the timeline hands back
+        released = []
+
+        def release(self, spans, open_mark):
+            self.released.append((list(spans), open_mark))
+
+    timeline = Timeline(Watched())
+    for phase in ("a", "b", "c"):
+        timeline.switch(phase)
+    timeline.settle()
+    (spans, open_mark), = Watched.released
+    assert [phase for phase, _, _ in spans] == ["a", "b"] and open_mark == spans[-1][2]  # c runs from there
+    clock = DeviceClock(torch.device("cuda"))  # (no CUDA call until a mark is made: these marks stand in for events)
+    marks = [object() for _ in range(4)]
+    clock.release([("a", marks[0], marks[1]), ("b", marks[1], marks[2]), ("c", marks[2], marks[3])], marks[3])
+    assert sorted(map(id, clock._free)) == sorted(map(id, marks[:3]))  # each once; the open one is still in use
+
+
 def test_causes_are_ranked_with_one_suggestion_each():
     figures = SpeedFigures(seconds={"communication": 3.0, "forward": 1.0, "backward": 2.0, "hook:EMAHook": 0.5},
                            steps=10, micro_batches=10, world_size=2, samples_per_s=100.0)
@@ -410,3 +429,29 @@ def test_a_step_of_the_users_own_is_one_phase_named_as_such():
     assert first_cause(speed).key == "step", speed.report_text
     assert speed.figures.seconds.keys().isdisjoint({"forward", "backward", "optimizer"}), speed.figures.seconds
     assert "your step function (fit(step=...)" in speed.report_text
+
+
+class SlowForward(nn.Sequential):
+    """A small MLP whose forward takes ``delay`` seconds more."""
+
+    def __init__(self, delay=0.005):
+        super().__init__(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+        self.delay = delay
+
+    def forward(self, x):
+        time.sleep(self.delay)
+        return super().forward(x)
+
+
+def test_automatic_micro_batching_is_one_phase_named_as_such(tmp_path, capsys):
+    """``gradient_accumulation='auto'`` runs forward, loss and backward as one retriable unit that fires no event
+    inside: the report names the three as one phase (it called all of it "forward and loss"), and so does the
+    command line from the metrics file."""
+    speed, trainer, _ = fit([LossHook()], model=SlowForward(), config=dict(gradient_accumulation="auto"),
+                            log_dir=tmp_path, breakdown_every=1)
+    assert trainer.engine.auto_batcher is not None
+    assert first_cause(speed).key == "auto", speed.report_text
+    assert speed.figures.seconds.keys().isdisjoint({"forward", "backward", "step"}), speed.figures.seconds
+    assert "forward, loss and backward (gradient_accumulation='auto'" in speed.report_text
+    assert cli_main(["report", str(tmp_path)]) == 0
+    assert "forward, loss and backward (gradient_accumulation='auto'" in capsys.readouterr().out.splitlines()[2]

@@ -81,6 +81,15 @@ def _hook_key(fn: Callable) -> str:
     return HOOK_PREFIX + type(getattr(fn, "__self__", fn)).__name__
 
 
+def _unit_phase(trainer) -> Optional[str]:
+    """The one phase a training step runs as after its batch is loaded, when it fires no event inside to split it
+    by: ``'step'`` for a step function of the user's (``fit(step=...)``), ``'auto'`` for forward, loss and backward
+    run as one retriable unit (``gradient_accumulation='auto'``); None when the events split it."""
+    if trainer.user_step is not None:
+        return "step"
+    return "auto" if trainer.engine.auto_batcher is not None else None
+
+
 def shared_out(seconds: Dict[str, float], basis: Dict[str, float]) -> Dict[str, float]:
     """``seconds`` (by timeline key) with the unsampled steps' time given to the phases in the proportions of
     ``basis`` (the sampled steps' seconds by key; ``_NOT_SHARED`` keys take no share)."""
@@ -160,8 +169,8 @@ class _Breakdown:
             own = (hook.sampled_backward,)
         pairs = tuple((_hook_key(fn), fn) for fn in handlers if getattr(fn, "__self__", None) is not hook)
         after = PHASE_AFTER.get(point)
-        if point == "after_batch_loaded" and self.trainer.user_step is not None:
-            after = "step"  # (its forward, backward and optimizer step fire no events to split it by)
+        if point == "after_batch_loaded":
+            after = _unit_phase(self.trainer) or after
         if point == "after_backward" and self.world > 1:  # gradient reduction (and clipping) over the ranks
             after = "communication"
         if after is None and not pairs and not own:
@@ -357,7 +366,8 @@ class SpeedReportHook(MetricHook):
     def _phases(self, trainer) -> List[str]:
         """The phases recorded per epoch, the same list on every rank (the hooks are the same)."""
         hooks = [HOOK_PREFIX + type(h).__name__ for h in trainer.hooks if h is not self] + [HOOK_PREFIX + "Recorder"]
-        own = [p for p in PHASES if p != "evaluation" and (p != "step" or trainer.user_step is not None)]
+        unit = _unit_phase(trainer)
+        own = [p for p in PHASES if p != "evaluation" and (p not in ("step", "auto") or p == unit)]
         return own + list(dict.fromkeys(hooks))
 
     # -- the events ------------------------------------------------------------------------------------------
