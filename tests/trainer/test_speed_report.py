@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from hook_helpers import crash_at
 from sync_counter import count_syncs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -402,10 +403,33 @@ def test_two_runs_of_the_same_training_differ_only_in_the_clock_measured_values(
     measured = {name for name in names if is_measured(name)}
     assert {"train/time/forward", "train/samples_per_s_step", "train/samples_per_s_per_rank", "train/mfu",
             "train/speed/peak_tflops"} <= measured
-    assert {"train/Loss_step", "train/speed/steps", "train/speed/micro_batches",
-            "train/speed/flops_per_micro_batch"} <= names - measured
+    assert {"train/Loss_step", "train/speed/world_size", "train/speed/flops_per_micro_batch"} <= names - measured
     differ = {name for name in measured if runs[0].series(name) != runs[1].series(name)}
     assert {"train/time/forward", "train/samples_per_s_step"} <= differ
+
+
+@pytest.mark.slow  # (three fits with checkpoints: a few seconds)
+def test_a_resumed_run_with_the_report_shares_all_but_the_measured_values_with_the_uninterrupted_one(tmp_path):
+    """The step counts the figures cover restart at a resume (its first step is a warm-up again), so they are
+    measured values too: without them, and the clocks', a resumed run's history is the uninterrupted run's."""
+    def run(folder, *extra, **kwargs):
+        engine, loader = build()  # (the same seed each time: the same model, data and order)
+        speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS)
+        trainer = Trainer(engine)
+        trainer.fit(loader, epochs=2, hooks=[speed, LossHook(), SaveCheckpointHook("2ba", folder), *extra],
+                    log_dir=False, **kwargs)
+        return trainer
+
+    def kept(history):  # (a figure the run has not got, ops_per_micro_batch when the FLOPs are given, is NaN)
+        return [(step, epoch, name, None if value != value else value)
+                for step, epoch, name, value in history.without_measured()]
+    reference = run(tmp_path / "ref").history
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(tmp_path / "run", crash_at(7))
+    resumed = run(tmp_path / "run", resume_from="last")
+    assert resumed.restored_from.name == "epoch1-step6"  # inside the second epoch: its counts restarted
+    assert resumed.history.series("train/speed/steps")[-1][1] < reference.series("train/speed/steps")[-1][1]
+    assert kept(resumed.history) == kept(reference)
 
 
 def test_a_step_of_the_users_own_is_one_phase_named_as_such():
