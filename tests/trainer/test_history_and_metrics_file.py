@@ -316,3 +316,29 @@ def test_draining_averages_only_the_series_that_ask_for_it_over_two_ranks(tmp_pa
         assert loss == [[1, 6.0], [2, 7.0], [3, 8.0]]  # (step + step + 10) / 2
         assert rate == [[1, 1.5], [2, 3.0], [3, 4.5]]  # (step + 2 step) / 2
         assert own == [[1, 0.5], [2, float(r)], [3, 0.5]]
+
+
+def test_the_metrics_file_is_strict_json_and_reads_back_nan_and_infinities(tmp_path):
+    """JSON has no NaN or infinity, and strict readers (JavaScript's, jq) refuse Python's ``NaN``/``Infinity``
+    tokens: a NaN is written null and an infinity 1e999, and the reader gives back what the history holds."""
+    from colossal_lite.trainer.hooks import BaseHook
+    from colossal_lite.utils.metrics_file import read_metrics
+
+    class Odd(BaseHook):
+        def after_train_epoch(self, trainer):
+            trainer.record_values({"train/none": math.nan, "train/up": math.inf, "train/down": -math.inf,
+                                   "train/plain": 0.25})
+
+    _, engine, _, loader = build()
+    history = Trainer(engine).fit(loader, epochs=1, hooks=[LossHook(), Odd()], log_dir=tmp_path)
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    written = {r["name"]: r["value"] for r in (json.loads(line, parse_constant=refuse) for line in lines)}
+    assert written["train/none"] is None and written["train/plain"] == 0.25
+    assert written["train/up"] == math.inf and written["train/down"] == -math.inf  # (Python reads 1e999 so)
+    back = {r["name"]: r["value"] for r in read_metrics(tmp_path / "metrics.jsonl")}
+    assert math.isnan(back["train/none"]) and math.isnan(history.last("train/none"))
+    assert (back["train/up"], back["train/down"]) == (history.last("train/up"), history.last("train/down"))
+    assert back["train/Loss"] == history.last("train/Loss")

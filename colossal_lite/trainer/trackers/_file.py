@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
@@ -19,7 +20,19 @@ JSONL_NAME, CSV_NAME = METRICS_FILE_NAMES  # the names the reader (and so `colos
 
 
 def _jsonl(records: List[Dict[str, Any]]) -> str:
-    return "".join(json.dumps({k: r[k] for k in FIELDS}) + "\n" for r in records)
+    return "".join(_json_line(r) for r in records)
+
+
+def _json_line(r: Dict[str, Any]) -> str:
+    """One record as a line of JSON. JSON has no NaN or infinity (Python's ``NaN`` and ``Infinity`` tokens are
+    refused by strict readers, such as JavaScript's and jq): a NaN value, a figure the run has not got, is written
+    ``null``, which the metrics reader takes back as NaN; an infinity ``1e999``, a number past a double's range,
+    which Python and JavaScript read back as one."""
+    value = r["value"]
+    if not (isinstance(value, float) and not math.isfinite(value)):
+        return json.dumps({k: r[k] for k in FIELDS}) + "\n"
+    text = "null" if math.isnan(value) else ("1e999" if value > 0 else "-1e999")
+    return "{" + ", ".join(f"{json.dumps(k)}: {text if k == 'value' else json.dumps(r[k])}" for k in FIELDS) + "}\n"
 
 
 def _csv(records: List[Dict[str, Any]], header: bool) -> str:
