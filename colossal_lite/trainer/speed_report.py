@@ -163,6 +163,9 @@ def _headline(figures: SpeedFigures) -> str:
 def format_report(figures: SpeedFigures, rows: int = 6) -> str:
     """The headline (throughput, MFU), then the ``rows`` largest causes: share, seconds, cause, what to do."""
     lines = [_headline(figures)]
+    if not figures.steps:  # what was timed outside any step (a fit's end) would rank as if it were the run
+        return lines[0] + ("\n  (no optimizer step measured: a fit leaves out its first steps, their one-time costs; "
+                           "SpeedReportHook(warmup_steps=0) measures from the first)")
     causes = rank_causes(figures)
     if not causes:
         return lines[0] + "\n  (no time measured)"

@@ -369,6 +369,21 @@ def test_causes_are_ranked_with_one_suggestion_each():
     assert text.splitlines()[0] == "Speed report: 10 optimizer steps on 2 rank(s), 100 samples/s (50 per rank)"
 
 
+def test_a_fit_too_short_to_measure_a_step_says_so_instead_of_ranking_its_end():
+    """A fit of one optimizer step has only the warm-up, which is left out: the report says how to measure it,
+    rather than ranking what was timed outside any step (its end) as where the run's time went."""
+    for warmup in (1, 0):
+        engine, loader = build()
+        speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS, warmup_steps=warmup)
+        Trainer(engine).fit(loader, max_steps=1, hooks=[speed, LossHook()], log_dir=False)
+        assert speed.figures.steps == 1 - warmup, speed.report_text
+        if warmup:
+            assert len(speed.report_text.splitlines()) == 2, speed.report_text
+            assert "no optimizer step measured" in speed.report_text and "warmup_steps=0" in speed.report_text
+        else:
+            assert "where the time went" in speed.report_text
+
+
 @COUNTS
 def test_the_docs_example_runs_and_names_the_loader(tmp_path, monkeypatch, capsys):
     from dist_helpers import doc_python_blocks
