@@ -355,8 +355,11 @@ class SpeedReportHook(MetricHook):
                 train[f"time/{phase}"] = _Figure(lambda: None, lambda p=phase: self._epoch_figures()[p], True,
                                                  device, in_log_line=False)
                 self._own["train"].append(f"time/{phase}")
-            for name in ("steps", "timed_steps", "micro_batches", "world_size", "ops_per_micro_batch",
-                         "flops_per_micro_batch", "peak_tflops"):
+            # (no operators are counted when the user gives the FLOPs: that figure is not recorded, rather than
+            # recorded as NaN, which would make two runs' histories unequal)
+            counted = ("ops_per_micro_batch",) if self._given_flops is None else ()
+            for name in ("steps", "timed_steps", "micro_batches", "world_size", *counted, "flops_per_micro_batch",
+                         "peak_tflops"):
                 train[f"speed/{name}"] = _Figure(lambda: None, lambda n=name: self._epoch_figures()[n], True,
                                                  device, in_log_line=False)
                 self._own["train"].append(f"speed/{name}")
