@@ -54,8 +54,9 @@ _SUGGESTIONS = {
                      "ZeRO stage (zero = dict(stage=...)), or a larger bucket (torch_ddp = dict(bucket_cap_mb=...))",
     "optimizer": "a fused or foreach optimizer (torch.optim.AdamW(..., fused=True)), or ZeRO stage 1 to shard the "
                  "optimizer's work",
-    "checkpoint": ("checkpoints block training: save in the background (SaveCheckpointHook(..., async_save=True)), "
-                   "or less often (its interval)"),
+    "checkpoint": ("checkpoints block training: save less often (SaveCheckpointHook's interval), or in the background "
+                   "(async_save=True) if not yet; a background save still blocks while it copies the state to host "
+                   "memory"),
     "evaluation": "evaluate less often (fit's test_interval) or on a smaller test set",
     "loop": "display_progress=False; for a loader without len this is also its wait for data (give it a len)",
     "host syncs": "host syncs stall the device: remove the .item()/.cpu()/print of tensors at the places listed",

@@ -314,6 +314,11 @@ def test_bad_options_say_what_to_give():
     with pytest.raises(ValueError, match=r"warmup_steps=-1\): give the optimizer steps to leave out at the start "
                                          r"of fit as an int >= 0"):
         SpeedReportHook(warmup_steps=-1)
+    # twice in one fit: each would take the run's event points over, and the first would measure nothing
+    engine, loader = build()
+    with pytest.raises(ValueError, match=r"SpeedReportHook is in fit's hooks more than once: keep one"):
+        Trainer(engine).fit(loader, epochs=1, hooks=[SpeedReportHook(peak_tflops=PEAK), SpeedReportHook(peak_tflops=PEAK)],
+                            log_dir=False)
 
 
 def test_cli_report_of_a_run_without_the_hook_says_how_to_record_one(tmp_path, capsys):

@@ -299,6 +299,10 @@ class SpeedReportHook(MetricHook):
     def after_hook_is_attached(self, trainer):
         if not trainer.state.fitting:
             return
+        if sum(isinstance(hook, SpeedReportHook) for hook in trainer.hooks) > 1:
+            # each would take the run's event points over, and all but the last would measure nothing
+            raise ValueError("SpeedReportHook is in fit's hooks more than once: keep one (it measures the whole run; "
+                             "its options say what it reports)")
         self._check_metric_states_initialization(trainer)
         self._release()  # (what a fit that raised before its end left behind)
         engine = self._engine = trainer.engine
