@@ -88,7 +88,14 @@ def count_step_flops(model: torch.nn.Module, data: Any, label: Any, criterion: O
     """Count ``model``'s forward on ``data``, ``criterion(output, label)`` and the backward to the parameters,
     on meta copies of the parameters, buffers and batch (the model's own tensors are not touched).
     ``call(fn, data)`` spreads the batch into the call (default: ``fn(data)``). Raises what the model raises
-    when it cannot run on meta tensors (a model that reads a value, e.g. ``.item()``)."""
+    when it cannot run on meta tensors (a model that reads a value, e.g. ``.item()``), and ``ValueError`` for a
+    model sharded by FSDP2 (ZeRO stages 2 and 3), whose forward gathers its parameters from every rank: run on
+    meta copies, that machinery would leave the live model's parameters in a state its next forward fails on."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        raise ValueError("the model is sharded by FSDP2 (ZeRO stage 2 or 3), whose forward gathers its parameters "
+                         "from every rank and cannot run on meta copies")
     params = {name: _meta(p) for name, p in model.named_parameters()}
     state = dict(params, **{name: torch.empty_like(b, device="meta") for name, b in model.named_buffers()})
     data, label = map_leaves(_meta, data), map_leaves(_meta, label)

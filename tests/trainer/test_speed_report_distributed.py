@@ -53,3 +53,51 @@ def test_two_ranks_big_model_accumulation_1_is_named_communication_bound(tmp_pat
     assert ranks[0]["world"] == 2 and ranks[0]["steps"] == 3  # (4 steps, the first one the warm-up)
     assert ranks[0]["sps"][0] == 2 * ranks[0]["per_rank"][0]
     assert proc.stdout.count("Speed report: 3 optimizer steps on 2 rank(s)") == 1  # rank 0 only
+
+
+ZERO_SCRIPT = textwrap.dedent('''
+    import json, sys
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    import colossal_lite
+    from colossal_lite.core import global_context as gpc
+    from colossal_lite.trainer import Trainer
+    from colossal_lite.trainer.hooks import LossHook, SpeedReportHook
+    from colossal_lite.utils import get_dataloader
+
+    out_dir, stage = sys.argv[1], int(sys.argv[2])
+    colossal_lite.launch_from_torch(config=dict(zero=dict(stage=stage)), verbose=False)
+    data = TensorDataset(torch.randn(32, 16, generator=torch.Generator().manual_seed(1)), torch.arange(32) % 2)
+
+    def train(hooks):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 2))
+        engine, loader, _, _ = colossal_lite.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.01),
+                                                        nn.CrossEntropyLoss(), get_dataloader(data, batch_size=4),
+                                                        verbose=False)
+        return Trainer(engine).fit(loader, epochs=2, hooks=[LossHook(), *hooks], log_dir=False)
+
+    plain = train([])
+    speed = SpeedReportHook(report=False)
+    measured = train([speed])
+    result = dict(same=measured["train/Loss_step"] == plain["train/Loss_step"], steps=len(plain["train/Loss_step"]),
+                  note=speed.figures.peak_note, mfu=speed.figures.mfu, sps=measured["train/samples_per_s"])
+    with open(f"{out_dir}/rank{gpc.get_global_rank()}.json", "w") as f:
+        json.dump(result, f)
+''')
+
+
+def test_zero_2_trains_the_same_with_the_report_which_says_why_it_has_no_mfu(tmp_path):
+    """Counting the FLOPs runs the model on meta copies of its parameters; on a model sharded by FSDP2 that ran
+    its gathering machinery and left the live parameters in a state the next forward failed on (a Tensor/DTensor
+    mix). A sharded model is not counted: it trains as without the hook, and the report says why there is no MFU
+    and what to give instead."""
+    script = tmp_path / "speed_zero.py"
+    script.write_text(ZERO_SCRIPT)
+    run_ranks(script, [tmp_path, 2], nproc=2, timeout=180)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["same"] and result["steps"] == 8, result  # every step's loss as without the hook
+        assert result["mfu"] is None and "sharded by FSDP2" in result["note"], result
+        assert "flops_per_sample" in result["note"] and len(result["sps"]) == 2 and result["sps"][0] > 0, result
