@@ -10,6 +10,7 @@ pass counts the operators a step dispatches, which tells many small kernels from
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -80,7 +81,32 @@ class _OpCounter(TorchDispatchMode):
 def _meta(t: Any) -> Any:
     if not isinstance(t, torch.Tensor):
         return t
-    return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad and t.is_floating_point())
+    from torch.distributed.tensor import DTensor
+
+    # a parameter sharded by FSDP2 is a DTensor: its copy has the full shape, the one the forward computes with
+    meta = torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, DTensor) else \
+        torch.empty_like(t, device="meta")
+    return meta.requires_grad_(t.requires_grad and t.is_floating_point())
+
+
+#: A module's hooks around its forward and backward (``nn.Module``'s own attributes).
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                 "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+@contextlib.contextmanager
+def _module_hooks_off(model: torch.nn.Module):
+    """``model``'s modules without their forward and backward hooks for the duration, then with them again."""
+    saved = [(module, {name: getattr(module, name) for name in _MODULE_HOOKS}) for module in model.modules()]
+    try:
+        for module, hooks in saved:
+            for name, table in hooks.items():
+                setattr(module, name, type(table)())
+        yield
+    finally:
+        for module, hooks in saved:
+            for name, table in hooks.items():
+                setattr(module, name, table)
 
 
 def count_step_flops(model: torch.nn.Module, data: Any, label: Any, criterion: Optional[Callable],
@@ -88,20 +114,20 @@ def count_step_flops(model: torch.nn.Module, data: Any, label: Any, criterion: O
     """Count ``model``'s forward on ``data``, ``criterion(output, label)`` and the backward to the parameters,
     on meta copies of the parameters, buffers and batch (the model's own tensors are not touched).
     ``call(fn, data)`` spreads the batch into the call (default: ``fn(data)``). Raises what the model raises
-    when it cannot run on meta tensors (a model that reads a value, e.g. ``.item()``), and ``ValueError`` for a
-    model sharded by FSDP2 (ZeRO stages 2 and 3), whose forward gathers its parameters from every rank: run on
-    meta copies, that machinery would leave the live model's parameters in a state its next forward fails on."""
+    when it cannot run on meta tensors (a model that reads a value, e.g. ``.item()``).
+
+    A model sharded by FSDP2 (ZeRO stages 2 and 3) is counted at its full shapes with its module hooks set aside:
+    FSDP2's hooks gather and reshard the live parameters around each unit's forward, which on meta copies would
+    leave the live model in a state its next forward fails on (a user's own module hooks are not run either)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
-        raise ValueError("the model is sharded by FSDP2 (ZeRO stage 2 or 3), whose forward gathers its parameters "
-                         "from every rank and cannot run on meta copies")
+    sharded = any(isinstance(module, FSDPModule) for module in model.modules())
     params = {name: _meta(p) for name, p in model.named_parameters()}
     state = dict(params, **{name: torch.empty_like(b, device="meta") for name, b in model.named_buffers()})
     data, label = map_leaves(_meta, data), map_leaves(_meta, label)
     call = call or (lambda fn, x: fn(x))
     counter, ops = FlopCounterMode(display=False), _OpCounter()
-    with counter, ops:
+    with _module_hooks_off(model) if sharded else contextlib.nullcontext(), counter, ops:
         output = call(lambda *a, **k: functional_call(model, state, a, k), data)
         loss = criterion(output, label) if criterion is not None else output
         if isinstance(loss, tuple):  # (loss_sum, num_tokens) of a per-token criterion

@@ -65,14 +65,18 @@ ZERO_SCRIPT = textwrap.dedent('''
     from colossal_lite.trainer import Trainer
     from colossal_lite.trainer.hooks import LossHook, SpeedReportHook
     from colossal_lite.utils import get_dataloader
+    from colossal_lite.utils.flops import count_step_flops
 
     out_dir, stage = sys.argv[1], int(sys.argv[2])
     colossal_lite.launch_from_torch(config=dict(zero=dict(stage=stage)), verbose=False)
     data = TensorDataset(torch.randn(32, 16, generator=torch.Generator().manual_seed(1)), torch.arange(32) % 2)
 
-    def train(hooks):
+    def make_model():
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 2))
+        return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 2))
+
+    def train(hooks):
+        model = make_model()
         engine, loader, _, _ = colossal_lite.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.01),
                                                         nn.CrossEntropyLoss(), get_dataloader(data, batch_size=4),
                                                         verbose=False)
@@ -81,23 +85,27 @@ ZERO_SCRIPT = textwrap.dedent('''
     plain = train([])
     speed = SpeedReportHook(report=False)
     measured = train([speed])
+    x, y = data[:4]  # the FLOPs of the model as written, unsharded, on one micro-batch of 4
+    unsharded = count_step_flops(make_model(), x, y, nn.CrossEntropyLoss(), samples=4).flops
     result = dict(same=measured["train/Loss_step"] == plain["train/Loss_step"], steps=len(plain["train/Loss_step"]),
-                  note=speed.figures.peak_note, mfu=speed.figures.mfu, sps=measured["train/samples_per_s"])
+                  flops=speed.flops.flops, unsharded=unsharded, mfu=measured["train/mfu"],
+                  sps=measured["train/samples_per_s"])
     with open(f"{out_dir}/rank{gpc.get_global_rank()}.json", "w") as f:
         json.dump(result, f)
 ''')
 
 
-def test_zero_2_trains_the_same_with_the_report_which_says_why_it_has_no_mfu(tmp_path):
-    """Counting the FLOPs runs the model on meta copies of its parameters; on a model sharded by FSDP2 that ran
-    its gathering machinery and left the live parameters in a state the next forward failed on (a Tensor/DTensor
-    mix). A sharded model is not counted: it trains as without the hook, and the report says why there is no MFU
-    and what to give instead."""
+def test_zero_2_and_3_train_the_same_with_the_report_and_count_the_models_flops(tmp_path):
+    """Counting the FLOPs runs the model on meta copies of its parameters. On a model sharded by FSDP2 that ran
+    FSDP2's gathering hooks and left the live parameters in a state the next forward failed on (a Tensor/DTensor
+    mix). A sharded model is counted at its full shapes with its hooks set aside: it trains as without the hook,
+    bit for bit, and its FLOPs are the unsharded model's."""
     script = tmp_path / "speed_zero.py"
     script.write_text(ZERO_SCRIPT)
-    run_ranks(script, [tmp_path, 2], nproc=2, timeout=180)
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["same"] and result["steps"] == 8, result  # every step's loss as without the hook
-        assert result["mfu"] is None and "sharded by FSDP2" in result["note"], result
-        assert "flops_per_sample" in result["note"] and len(result["sps"]) == 2 and result["sps"][0] > 0, result
+    for stage in (2, 3):
+        run_ranks(script, [tmp_path, stage], nproc=2, timeout=180)
+        for rank in (0, 1):
+            result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+            assert result["same"] and result["steps"] == 8, (stage, result)  # every step's loss as without the hook
+            assert result["flops"] == result["unsharded"] > 0, (stage, result)
+            assert len(result["mfu"]) == 2 and result["mfu"][0] > 0 and result["sps"][0] > 0, (stage, result)
