@@ -21,10 +21,11 @@ SCRIPT = textwrap.dedent('''
     colossal_lite.launch_from_torch(config=dict(), verbose=False)
     rank = gpc.get_global_rank()
     torch.manual_seed(0)
-    # a big model and one sample per rank: each step's gradient all-reduce moves far more bytes than the
-    # step computes
-    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)], nn.Linear(1024, 2))
-    data = TensorDataset(torch.randn(8, 1024), torch.randint(0, 2, (8,)))
+    # a big embedding table and one sample per rank: each step's gradient all-reduce moves the whole table's
+    # gradient (64 MiB) while the step computes almost nothing (with dense layers instead, the backward's own
+    # memory traffic competes with the overlapped all-reduce on 2 cores, and a loaded machine could rank it first)
+    model = nn.Sequential(nn.Embedding(262144, 64), nn.Flatten(), nn.Linear(64, 2))
+    data = TensorDataset(torch.randint(0, 262144, (8, 1)), torch.randint(0, 2, (8,)))
     engine, loader, _, _ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01),
                                                     nn.CrossEntropyLoss(), get_dataloader(data, batch_size=1),
                                                     verbose=False)
