@@ -82,18 +82,27 @@ EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 
 
 @contextlib.contextmanager
-def _counted(lib, name: str):
-    """Count what runs inside under ``name``, with Python's cyclic garbage collector collected before and off
-    during: where its collections land moves a contestant's count by up to ~10 k instructions per micro-step
-    from one run (or one code change) to the next, which would hide the differences this script is for."""
+def _collector_off():
+    """Python's cyclic garbage collector collected before and off inside: where its collections land moves a
+    contestant's count by up to ~10 k instructions per micro-step from one run (or one code change) to the next,
+    which would hide the differences this script is for."""
     gc.collect()
     gc.disable()
-    lib.count_start()
     try:
         yield
     finally:
-        lib.count_stop(name.encode())
         gc.enable()
+
+
+@contextlib.contextmanager
+def _counted(lib, name: str):
+    """Count what runs inside under ``name`` (callgrind), the garbage collector off."""
+    with _collector_off():
+        lib.count_start()
+        try:
+            yield
+        finally:
+            lib.count_stop(name.encode())
 
 
 def _run_parts(steps: int, width: int, nonfinite_loss: str, counted) -> None:
@@ -160,15 +169,13 @@ def _count_bytecodes(steps: int, width: int, nonfinite_loss: str) -> Dict[str, D
     @contextlib.contextmanager
     def counted(name: str):
         current.clear()
-        gc.collect()
-        gc.disable()
-        sys.settrace(trace)
-        try:
-            yield
-        finally:
-            sys.settrace(None)
-            gc.enable()
-            counts[name] = dict(current)
+        with _collector_off():
+            sys.settrace(trace)
+            try:
+                yield
+            finally:
+                sys.settrace(None)
+        counts[name] = dict(current)
 
     _run_parts(steps, width, nonfinite_loss, counted)
     return counts

@@ -29,10 +29,10 @@ def _json_line(r: Dict[str, Any]) -> str:
     ``null``, which the metrics reader takes back as NaN; an infinity ``1e999``, a number past a double's range,
     which Python and JavaScript read back as one."""
     value = r["value"]
-    if not (isinstance(value, float) and not math.isfinite(value)):
-        return json.dumps({k: r[k] for k in FIELDS}) + "\n"
-    text = "null" if math.isnan(value) else ("1e999" if value > 0 else "-1e999")
-    return "{" + ", ".join(f"{json.dumps(k)}: {text if k == 'value' else json.dumps(r[k])}" for k in FIELDS) + "}\n"
+    if isinstance(value, float) and not math.isfinite(value):
+        text = "null" if math.isnan(value) else ("1e999" if value > 0 else "-1e999")
+        return "{" + ", ".join(f"{json.dumps(k)}: {text if k == 'value' else json.dumps(r[k])}" for k in FIELDS) + "}\n"
+    return json.dumps({k: r[k] for k in FIELDS}) + "\n"
 
 
 def _csv(records: List[Dict[str, Any]], header: bool) -> str:
