@@ -26,6 +26,7 @@ def peak_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 mode = sys.argv[1]
+STEPS = 12
 torch.set_num_threads(1)
 colossal_lite.launch_from_torch(config={} if mode == "ddp" else dict(zero=dict(stage=int(mode[-1]))), verbose=False)
 torch.manual_seed(0)
@@ -38,7 +39,7 @@ originals = [weakref.ref(p) for p in model.parameters()]
 engine = colossal_lite.initialize(model, optimizer, torch.nn.CrossEntropyLoss(), verbose=False)[0]
 x, y = torch.randn(8, 768), torch.randint(0, 10, (8,))
 start, growth = peak_mib(), []
-for _ in range(5):
+for _ in range(STEPS):
     engine.zero_grad()
     engine.backward(engine.criterion(engine(x), y))
     engine.step()
@@ -60,10 +61,28 @@ GLIBC_DEFAULTS = dict(GLIBC_TUNABLES="glibc.malloc.check=0")
 RECOMMENDED = dict(GLIBC_TUNABLES="glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=1048576:"
                                   "glibc.malloc.trim_threshold=2097152")
 TARGETS = dict(zero1=0.85, zero2=0.70, zero3=0.60)  # peak growth relative to DDP
-FLAT_MIB = 4.0  # what the peak may still rise after step 2 (optimizer state first exists during step 2)
-# Stage 1 runs under glibc's own thresholds, whose heap settles by a few MiB over the first steps (DDP's does too,
-# by as much): a rise that small is not the step-after-step growth of buffers freed between kept ones
-FLAT_MIB_GLIBC = dict(zero1=10.0)
+# The peak may still rise after step 2 (optimizer state first exists during step 2) by what follows. The run is
+# twelve steps long because the first steps' transient peak hides a few steps of growth below it: a buffer of
+# 4 MiB kept by every step first showed 6-9 MiB above step 2's peak by step 5, 22 MiB by step 8.
+FLAT_MIB = 4.0
+# Under glibc's own thresholds (stage 1 as the library runs it, the recommended tunable of stages 2 and 3) the heap
+# settles in jumps of a few MiB over the first dozen steps (DDP's does too, by as much), in each process on its own:
+# one rank jumps while the other stays level. A growth of the stage's own buffers happens on both ranks alike (they
+# run the same steps), so there the peak is flat when one rank at least rose no more than a settling heap does.
+SETTLING_MIB = 12.0
+
+
+def rises(ranks):
+    """Each rank's rise of its peak from step 2 to the last step."""
+    return [rank["growth"][-1] - rank["growth"][1] for rank in ranks]
+
+
+def assert_flat(ranks, own_heap_settles: bool = False):
+    growths = [rank["growth"] for rank in ranks]
+    if own_heap_settles:
+        assert min(rises(ranks)) <= SETTLING_MIB, growths
+    else:
+        assert max(rises(ranks)) <= FLAT_MIB, growths
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +122,7 @@ def test_peak_memory_of_training_is_below_the_target_fraction_of_ddp(memory, mod
 
 @pytest.mark.parametrize("mode", ("zero1", "zero2", "zero3"))
 def test_peak_memory_is_flat_after_the_first_step(memory, mode):
-    for rank in memory[mode]:
-        assert rank["growth"][-1] - rank["growth"][1] <= FLAT_MIB_GLIBC.get(mode, FLAT_MIB), rank["growth"]
+    assert_flat(memory[mode], own_heap_settles=mode == "zero1")
 
 
 def test_only_stages_2_and_3_set_the_allocator(memory):
@@ -119,7 +137,7 @@ def test_the_recommended_cpu_setting_keeps_the_memory_target_and_leaves_the_allo
     for rank in memory["recommended"][mode]:
         assert not rank["allocator_set"]  # a glibc.malloc tunable is the user's choice
         assert rank["growth"][-1] <= TARGETS[mode] * ddp, (mode, rank["growth"], "DDP", ddp)
-        assert rank["growth"][-1] - rank["growth"][1] <= FLAT_MIB, rank["growth"]
+    assert_flat(memory["recommended"][mode], own_heap_settles=True)
 
 
 @pytest.mark.parametrize("mode", GLIBC_MODES)
