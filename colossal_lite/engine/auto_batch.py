@@ -23,12 +23,12 @@ class AutoMicroBatcher:
 
     def run(self, engine, data, label, where=None):
         """Forward and backward of one batch, split as often as needed; returns (output, loss)."""
-        engine.enter_micro_batch(where)
+        where = engine.enter_micro_batch(where)
         n = batch_len(data)
         while True:
             parts = min(self.parts, n)
             try:
-                outputs, loss = self._forward_backward(engine, data, label, parts, n)
+                outputs, loss = self._forward_backward(engine, data, label, parts, n, where)
                 ok = True
             except torch.OutOfMemoryError:
                 ok, outputs, loss = False, [], None
@@ -44,8 +44,10 @@ class AutoMicroBatcher:
         return output, loss
 
     @staticmethod
-    def _forward_backward(engine, data, label, parts: int, n: int):
-        """The batch in ``parts`` micro-batches, each weighed by its share of the samples; -> (outputs, loss)."""
+    def _forward_backward(engine, data, label, parts: int, n: int, where):
+        """The batch in ``parts`` pieces, each weighed by the gradient reduction as its part of the micro-batch
+        ``where`` (a mean's piece by its share of the samples, a sum's or a token mean's as it is);
+        -> (outputs, the batch's loss: the pieces' losses weighed by their shares of the samples)."""
         outputs, total = [], None
         for d, lab in zip(split_samples(data, parts, n), split_samples(label, parts, n)):
             with engine.strategy.no_sync(engine.model):
@@ -55,7 +57,7 @@ class AutoMicroBatcher:
                     raise not_a_loss(loss, engine.criterion.wrapped, engine.reduction.name)
                 engine.loss_guard.watch(loss)
                 weight = batch_len(d) / n
-                engine.precision.backward(loss * weight)
+                engine.precision.backward(loss, engine.reduction.loss_weight(loss, where, share=weight))
             outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
             part = loss.detach() * weight
             total = part if total is None else total + part
@@ -63,6 +65,7 @@ class AutoMicroBatcher:
 
     def _retry_in_more_parts(self, engine, parts: int, n: int) -> None:
         engine.precision.zero_grad(engine.model, engine.optimizer)
+        engine.reduction.reset()  # (the failed try's token counts: each batch is a window of its own)
         if parts >= n:
             raise torch.OutOfMemoryError(f"gradient_accumulation='auto': even micro-batches of 1 sample run out of "
                                          f"memory on some rank (batch of {n}); reduce the model or the sequence size")

@@ -36,8 +36,15 @@ class MeanReduction:
         """The real-token count of the micro-batch whose loss comes next (a model's own per-token mean loss);
         only the per-token mean reads it."""
 
-    def loss_weight(self, loss: torch.Tensor, where: MicroBatch, num_tokens=None) -> Optional[torch.Tensor]:
-        """The micro-batch loss's weight in the window's loss (None: 1): backward starts from it."""
+    def loss_weight(self, loss: torch.Tensor, where: MicroBatch, num_tokens=None,
+                    share: float = 1.0) -> Optional[torch.Tensor]:
+        """The micro-batch loss's weight in the window's loss (None: 1): backward starts from it.
+
+        ``share``: the part of the micro-batch's samples this loss covers, when automatic micro-batching runs
+        the micro-batch in pieces (a mean's piece weighs its share; a sum's and a token count's pieces add up
+        as they are)."""
+        if share != 1:
+            return torch.tensor(share / where.divisor, dtype=loss.dtype, device=loss.device)
         if where.divisor == 1 or loss.ndim:  # (a loss of several numbers then meets torch's own error: not a scalar)
             return None
         key = (where.divisor, loss.dtype, loss.device)
@@ -63,7 +70,7 @@ class MeanReduction:
 class SumReduction(MeanReduction):
     name = "sum"
 
-    def loss_weight(self, loss, where, num_tokens=None):
+    def loss_weight(self, loss, where, num_tokens=None, share=1.0):
         return None
 
     def finish(self, params, closing):
@@ -100,7 +107,7 @@ class TokenMeanReduction(MeanReduction):
     def note_tokens(self, num_tokens) -> None:
         self._micro_tokens = num_tokens  # made a tensor on the loss's device at the backward
 
-    def loss_weight(self, loss, where, num_tokens=None):
+    def loss_weight(self, loss, where, num_tokens=None, share=1.0):
         n = self._micro_tokens if num_tokens is None else num_tokens
         if n is None:
             raise RuntimeError("grad_reduction='per-token-mean' needs each micro-batch's real-token count: let the "

@@ -2,6 +2,7 @@
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from dist_helpers import run_ranks
 from engine_helpers import make_batches, make_model
@@ -95,3 +96,131 @@ def test_two_ranks_agree_on_the_split(tmp_path):
     for got in (r0, r1):
         for p, q in zip(got["params"], ref.parameters()):
             torch.testing.assert_close(torch.tensor(p), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+# -- each gradient reduction: a split batch is the accumulation of its pieces, bit for bit ------------------------
+# The pieces of a split batch are run as one window of micro-batches would run them, so the same pieces trained
+# with a fixed gradient_accumulation give the same parameters bit for bit (an unsplit batch cannot: its sums run
+# in another order). A mean weighs each piece by its share of the samples, a sum adds the pieces' sums, a token
+# mean counts each piece's real tokens; a try that ran out of memory after a piece counted nothing of it.
+TOKEN_MODEL = r'''
+import torch
+import torch.nn.functional as F
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding and head over 6-token sequences; a forward of more than ``limit`` samples, or the forward
+    numbered in ``fail_calls`` (from 1), raises the out-of-memory error a GPU would."""
+
+    def __init__(self, limit, fail_calls=()):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)
+        self.limit, self.fail_calls, self.calls = limit, set(fail_calls), []
+
+    def forward(self, x):
+        self.calls.append(x.shape[0])
+        if x.shape[0] > self.limit or len(self.calls) in self.fail_calls:
+            raise torch.OutOfMemoryError(f"injected at forward {len(self.calls)} of {x.shape[0]} samples")
+        return self.head(self.emb(x))
+
+
+def token_sum_and_count(out, y):  # grad_reduction='per-token-mean': (loss summed over real tokens, their count)
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum"), (y != -100).sum()
+
+
+CRITERIA = {
+    "mean": lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100),
+    "sum": lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum"),
+    "per-token-mean": token_sum_and_count,
+}
+
+
+def token_batches(rank=0):
+    g = torch.Generator().manual_seed(1 + rank)
+    x, y = torch.randint(0, 11, (4, 6), generator=g), torch.randint(0, 11, (4, 6), generator=g)
+    y[0, 3 - rank:] = -100  # padding: the samples (and the ranks) hold different numbers of real tokens
+    y[1, 1:] = -100
+    return x, y
+
+
+def train(colossal_lite, model, reduction, accumulation, batches):
+    engine = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), CRITERIA[reduction],
+                                      config=dict(gradient_accumulation=accumulation, grad_reduction=reduction),
+                                      verbose=False)[0]
+    it = iter(batches)
+    engine.zero_grad()
+    for _ in batches:
+        engine.execute_schedule(it)
+        engine.step()
+    return engine
+
+
+def train_both(colossal_lite, reduction, fail_calls, pieces, rank=0):
+    """(the parameters of 'auto' trained on one batch of 4 with a model that fits 2 samples, those of the batch's
+    ``pieces`` equal pieces trained with gradient_accumulation=pieces, the auto model's forward sizes)."""
+    x, y = token_batches(rank)
+    torch.manual_seed(0)
+    auto = TinyLM(limit=2, fail_calls=fail_calls)
+    train(colossal_lite, auto, reduction, "auto", [(x, y)])
+    torch.manual_seed(0)
+    size = 4 // pieces
+    accumulated = train(colossal_lite, TinyLM(limit=4), reduction, pieces,
+                        [(x[i:i + size], y[i:i + size]) for i in range(0, 4, size)])
+    return list(auto.parameters()), list(accumulated.model.parameters()), auto.calls
+'''
+
+
+def _token_model(tmp_path):
+    import importlib
+    import sys
+    (tmp_path / "auto_token_model.py").write_text(TOKEN_MODEL)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        return importlib.import_module("auto_token_model")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("auto_token_model", None)
+
+
+@pytest.mark.parametrize("reduction", ("mean", "sum", "per-token-mean"))
+@pytest.mark.parametrize("fail_calls", ((), (3,)), ids=("split-in-two", "a-piece-fails-after-one-ran"))
+def test_a_split_batch_is_the_accumulation_of_its_pieces_under_every_gradient_reduction(
+        launched, tmp_path, reduction, fail_calls):
+    helpers = _token_model(tmp_path)
+    launched({})
+    pieces = 4 if fail_calls else 2
+    auto, accumulated, calls = helpers.train_both(colossal_lite, reduction, fail_calls, pieces)
+    # 4 fails; 2 and 2 fit, or 2 fits, then the injected failure, then 4 pieces of 1
+    assert calls == ([4, 2, 2] if not fail_calls else [4, 2, 2, 1, 1, 1, 1])
+    for p, q in zip(auto, accumulated):
+        assert torch.equal(p, q), (reduction, p, q)
+
+
+TOKEN_RANK_SCRIPT = r'''
+import json, sys
+import torch
+sys.path.insert(0, {folder!r})
+import colossal_lite
+from colossal_lite.core import global_context as gpc
+from auto_token_model import train_both
+colossal_lite.launch_from_torch(config={{}}, verbose=False)
+rank = gpc.get_global_rank()
+equal = {{}}
+for reduction in ("mean", "sum", "per-token-mean"):
+    auto, accumulated, calls = train_both(colossal_lite, reduction, (), 2, rank)
+    equal[reduction] = calls == [4, 2, 2] and all(torch.equal(p, q) for p, q in zip(auto, accumulated))
+json.dump(equal, open({out!r} + f".{{rank}}", "w"))
+gpc.destroy()
+'''
+
+
+def test_two_ranks_with_different_token_counts_split_each_reduction_as_accumulation_does(tmp_path):
+    # the ranks' gradients meet once per batch: a sum is made whole again over the ranks, a token mean divides
+    # by the real tokens of both ranks (rank 1's batch holds one real token more)
+    (tmp_path / "auto_token_model.py").write_text(TOKEN_MODEL)
+    script = tmp_path / "auto_token_rank.py"
+    script.write_text(TOKEN_RANK_SCRIPT.format(folder=str(tmp_path), out=str(tmp_path / "equal")))
+    run_ranks(script, nproc=2, timeout=180)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"equal.{rank}").read_text()) == {
+            "mean": True, "sum": True, "per-token-mean": True}

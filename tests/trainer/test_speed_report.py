@@ -293,8 +293,18 @@ def test_tokens_per_second_with_the_per_token_reduction():
         own = Trainer(engine)
         own_speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS)
         own.fit(loader, epochs=1, hooks=[own_speed, LossHook()], log_dir=False, step=step)
+
+        # automatic micro-batching counts each batch's tokens as a fixed accumulation does (it counted none)
+        auto_engine, auto_loader, _, _ = colossal_lite.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), criterion, DataLoader(make_data(), batch_size=8),
+            config=dict(gradient_accumulation="auto"), verbose=False)
+        auto = Trainer(auto_engine)
+        auto.fit(auto_loader, epochs=1, hooks=[SpeedReportHook(peak_tflops=PEAK, report=False,
+                                                               flops_per_sample=FLOPS)], log_dir=False)
     finally:
         gpc.destroy()
+    assert auto.history["train/tokens_per_s"][-1] == pytest.approx(5 * auto.history["train/samples_per_s"][-1],
+                                                                   rel=1e-6)
     # a step of the user's own fires no backward event, where the window's tokens are read: no token figures
     # rather than a count of none
     assert not any(name.startswith("train/tokens") for name in own.history.names), own.history.names
