@@ -131,6 +131,7 @@ class UserStepRunner:
         st.stepped = st.updated = False
         places = self._announce(where, st.batch_idx)
         st.batch, st.data = move_to_device(batch, main.device), None
+        main.schedule.current_batch = st.batch  # (the last batch loaded, whose size throughput counts)
         for fn in self.events.after_batch_loaded:
             fn(self.trainer)
         before = main.num_updates

@@ -31,6 +31,9 @@ PHASES: Dict[str, str] = {
     "loop": "the trainer's own loop (progress display, bookkeeping; a loader without len is read ahead here)",
 }
 HOOK_PREFIX = "hook:"  # a hook's own time is the phase "hook:<its class name>"
+#: ``train/<TAIL>/<phase>``: the seconds of each phase after the last epoch's record (a checkpoint saved at its
+#: end), recorded at the end of ``fit``.
+TAIL = "time_after_epochs"
 #: The phases that run the model's forward and backward (whichever of them a run has).
 COMPUTE_PHASES = ("auto", "forward", "backward")
 
@@ -145,13 +148,23 @@ def rank_causes(figures: SpeedFigures) -> List[Cause]:
     return causes
 
 
+def rate_text(value: float) -> str:
+    """A rate as a user reads it: whole numbers from 1000 up (``15878``, not ``1.588e+04``), four figures below."""
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+def peak_text(flops_per_s: float) -> str:
+    """A peak in the unit that suits it: ``68.6 GFLOP/s``, ``989.4 TFLOP/s``."""
+    return f"{flops_per_s / 1e12:.4g} TFLOP/s" if flops_per_s >= 1e12 else f"{flops_per_s / 1e9:.4g} GFLOP/s"
+
+
 def _headline(figures: SpeedFigures) -> str:
     parts = [f"{figures.steps} optimizer steps on {figures.world_size} rank(s)"]
     if figures.samples_per_s is not None:
-        parts.append(f"{figures.samples_per_s:.4g} samples/s "
-                     f"({figures.samples_per_s / figures.world_size:.4g} per rank)")
+        parts.append(f"{rate_text(figures.samples_per_s)} samples/s "
+                     f"({rate_text(figures.samples_per_s / figures.world_size)} per rank)")
     if figures.tokens_per_s is not None:
-        parts.append(f"{figures.tokens_per_s:.4g} tokens/s")
+        parts.append(f"{rate_text(figures.tokens_per_s)} tokens/s")
     if figures.mfu is not None:
         parts.append(f"MFU {100 * figures.mfu:.3g}% (peak {figures.peak_note})")
     elif figures.peak_note:
@@ -185,23 +198,46 @@ def figures_from_records(records: Iterable[Mapping]) -> SpeedFigures:
     when the run recorded no speed breakdown."""
     sums: Dict[str, float] = {}
     last: Dict[str, float] = {}
-    for name, (_, values) in by_name(records).items():
+    columns = by_name(records)
+    for name, (_, values) in columns.items():
         values = [v for v in values if v == v]  # (NaN: not measured)
         if values:
             sums[name], last[name] = sum(values), values[-1]
-    seconds = {name.split("/", 2)[2]: value for name, value in sums.items()
-               if name.startswith(("train/time/", "test/time/"))}
+    seconds: Dict[str, float] = {}
+    for name, value in sums.items():
+        if name.startswith(("train/time/", "test/time/", f"train/{TAIL}/")):
+            phase = name.split("/", 2)[2]
+            seconds[phase] = seconds.get(phase, 0.0) + value
     if not seconds:
-        raise ValueError("no speed breakdown in this run's metrics (no train/time/... values): run fit with "
-                         "hooks=[SpeedReportHook()] to record one")
+        stopped = "train/samples_per_s_step" in columns
+        raise ValueError("no speed breakdown in this run's metrics (no train/time/... values): " + (
+            "the run recorded per-step throughput but stopped before an epoch's end recorded its figures (a crash "
+            "records none)" if stopped else "run fit with hooks=[SpeedReportHook()] to record one"))
     peak = last.get("train/speed/peak_tflops")
+    rate = _whole_run_rates(columns)
     return SpeedFigures(
         seconds=seconds, steps=int(sums.get("train/speed/steps", 0)),
         micro_batches=int(sums.get("train/speed/micro_batches", 0)),
-        world_size=int(last.get("train/speed/world_size", 1)), samples_per_s=last.get("train/samples_per_s"),
-        tokens_per_s=last.get("train/tokens_per_s"), mfu=last.get("train/mfu"),
-        peak_note="" if peak is None else f"{peak:g} TFLOP/s",
+        world_size=int(last.get("train/speed/world_size", 1)),
+        samples_per_s=rate("train/samples_per_s", last), tokens_per_s=rate("train/tokens_per_s", last),
+        mfu=rate("train/mfu", last),
+        peak_note="" if peak is None else peak_text(peak * 1e12),
         ops_per_micro_batch=last.get("train/speed/ops_per_micro_batch"),
         flops_per_micro_batch=last.get("train/speed/flops_per_micro_batch"),
         peak_flops=None if peak is None else peak * 1e12,
         timed_steps=int(sums["train/speed/timed_steps"]) if "train/speed/timed_steps" in sums else None)
+
+
+def _whole_run_rates(columns):
+    """``rate(name, last)``: a per-epoch rate (samples/s, tokens/s, MFU) over the whole run, each epoch weighed by
+    the seconds its steps took (``train/speed/seconds``); the last epoch's for a file recorded without them."""
+    seconds = dict(zip(*columns.get("train/speed/seconds", ([], []))))
+
+    def rate(name: str, last: Mapping[str, float]) -> Optional[float]:
+        steps, values = columns.get(name, ([], []))
+        measured = [(step, value) for step, value in zip(steps, values) if value == value]  # (NaN: not measured)
+        if not measured or any(seconds.get(step, 0) <= 0 for step, _ in measured):
+            return last.get(name)
+        return sum(value * seconds[step] for step, value in measured) / sum(seconds[step] for step, _ in measured)
+
+    return rate

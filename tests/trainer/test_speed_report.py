@@ -503,3 +503,84 @@ def test_automatic_micro_batching_is_one_phase_named_as_such(tmp_path, capsys):
     assert "forward, loss and backward (gradient_accumulation='auto'" in speed.report_text
     assert cli_main(["report", str(tmp_path)]) == 0
     assert "forward, loss and backward (gradient_accumulation='auto'" in capsys.readouterr().out.splitlines()[2]
+
+
+class SlowSave(SaveCheckpointHook):
+    """Saves at each epoch's end, 50 ms longer (its own handler's time): timed after the epoch's own record."""
+
+    def on_save_checkpoint(self, trainer, checkpoint):
+        time.sleep(0.05)
+
+
+def test_the_cli_report_is_the_fits_own_including_a_save_at_the_last_epochs_end(tmp_path, capsys):
+    """The command line's headline is the whole fit's throughput and MFU (it showed the last epoch's), and its
+    table holds the checkpoint saved at the last epoch's end, timed after that epoch's record (it lost it)."""
+    model = SlowForward(delay=0.004)
+
+    class FasterAfterTheFirstEpoch(BaseHook):  # (the epochs' rates differ: the last is not the fit's)
+        def after_train_epoch(self, trainer):
+            model.delay = 0.0
+
+    speed, trainer, _ = fit([SlowSave(1, str(tmp_path / "ck")), FasterAfterTheFirstEpoch()], model=model, epochs=2,
+                            log_dir=tmp_path, breakdown_every=1)
+    fit_figures = speed.figures
+    assert trainer.history["train/samples_per_s"][-1] > 1.5 * fit_figures.samples_per_s
+    read = figures_from_records(read_metrics(tmp_path / "metrics.jsonl"))
+    assert read.samples_per_s == pytest.approx(fit_figures.samples_per_s, rel=1e-9)
+    assert read.mfu == pytest.approx(fit_figures.mfu, rel=1e-9)
+    assert (read.steps, read.micro_batches) == (fit_figures.steps, fit_figures.micro_batches)
+    for phase in ("checkpoint", "hook:SlowSave"):
+        assert read.seconds[phase] == pytest.approx(fit_figures.seconds[phase], rel=1e-6), phase
+    assert fit_figures.seconds["hook:SlowSave"] > 0.09  # both saves, each 50 ms longer (the hook's own time)
+    assert sum(trainer.history["train/time/hook:SlowSave"]) < 0.06  # the epochs' records hold the first only
+    capsys.readouterr()
+    assert cli_main(["report", str(tmp_path)]) == 0
+    headline = capsys.readouterr().out.splitlines()[0]  # (up to the peak's note: the file holds its value only)
+    assert headline.split(" (peak ")[0] == speed.report_text.splitlines()[0].split(" (peak ")[0], headline
+
+
+def test_a_preempted_epoch_is_recorded_for_the_cli_report(tmp_path):
+    """Preemption ends a fit inside an epoch, which then makes no record of its own: its figures are recorded at
+    the fit's end, so the command line reads the steps that ran (it said the run had no speed breakdown)."""
+    from hook_helpers import sigterm_at
+
+    from colossal_lite.trainer.checkpointing import TrainingPreempted
+    engine, loader = build()
+    speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS)
+    trainer = Trainer(engine)
+    with pytest.raises(TrainingPreempted):
+        trainer.fit(loader, epochs=1, hooks=[speed, SaveCheckpointHook("2ba", str(tmp_path / "ck")), sigterm_at(3)],
+                    log_dir=tmp_path)
+    assert trainer.state.step == 3 and speed.figures.steps == 2  # (the first is the warm-up)
+    read = figures_from_records(read_metrics(tmp_path / "metrics.jsonl"))
+    assert read.steps == 2 and read.samples_per_s == pytest.approx(speed.figures.samples_per_s, rel=1e-9)
+
+
+def test_a_step_of_the_users_own_counts_each_batchs_samples():
+    """``fit(step=...)`` counted one sample per batch (the batch size was read from the engine's schedule, which
+    the user's step does not load through), so samples/s and MFU were too low by the batch size; it cannot count
+    the FLOPs of a step it does not run, and says so."""
+    engine, loader = build()
+
+    def train(trainer, batch):
+        engine.zero_grad()
+        loss = engine.criterion(engine(batch[0]), batch[1])
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    trainer = Trainer(engine)
+    speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS)
+    trainer.fit(loader, epochs=1, hooks=[speed], step=train, log_dir=False)
+    h = trainer.history
+    assert h["train/samples_per_s"][-1] * h["train/speed/seconds"][-1] == pytest.approx(24)  # 3 steps of 8
+    counted = SpeedReportHook(peak_tflops=PEAK, report=False)
+    Trainer(engine).fit(loader, epochs=1, hooks=[counted], step=train, log_dir=False)
+    assert counted.figures.mfu is None and "a step of your own" in counted.figures.peak_note
+
+
+def test_an_epoch_with_no_measured_step_reads_n_a_in_the_log_line(caplog):
+    caplog.set_level(logging.INFO)
+    fit([LogMetricByEpochHook(logger=logging.getLogger("speed-na"))], data=make_data(n=8))  # one step: the warm-up
+    (line,) = [r.getMessage() for r in caplog.records if "/ Train]" in r.getMessage()]
+    assert "samples_per_s = n/a" in line and "mfu = n/a" in line and "nan" not in line, line

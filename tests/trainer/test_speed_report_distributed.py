@@ -36,7 +36,8 @@ SCRIPT = textwrap.dedent('''
     h = trainer.history
     result = dict(first=causes[0].key, suggestion=causes[0].suggestion, report=speed.report_text,
                   sps=h["train/samples_per_s"], per_rank=h["train/samples_per_s_per_rank"],
-                  comm=h["train/time/communication"], world=speed.figures.world_size, steps=speed.figures.steps)
+                  comm=h["train/time/communication"], world=speed.figures.world_size, steps=speed.figures.steps,
+                  mfu=h["train/mfu"], peak=h["train/speed/peak_tflops"], mfu_fit=speed.figures.mfu)
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(result, f)
 ''')
@@ -49,8 +50,9 @@ def test_two_ranks_big_model_accumulation_1_is_named_communication_bound(tmp_pat
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["first"] == "communication", ranks[0]["report"]
     assert "gradient_accumulation" in ranks[0]["suggestion"] and "ZeRO" in ranks[0]["suggestion"]
-    for key in ("sps", "per_rank", "comm", "first"):
-        assert ranks[0][key] == ranks[1][key], key  # the figures are reduced over the ranks
+    # the figures are reduced over the ranks, the CPU's peak too (each process measures its own: MFU differed)
+    for key in ("sps", "per_rank", "comm", "first", "mfu", "peak", "mfu_fit"):
+        assert ranks[0][key] == ranks[1][key], key
     assert ranks[0]["world"] == 2 and ranks[0]["steps"] == 3  # (4 steps, the first one the warm-up)
     assert ranks[0]["sps"][0] == 2 * ranks[0]["per_rank"][0]
     assert proc.stdout.count("Speed report: 3 optimizer steps on 2 rank(s)") == 1  # rank 0 only

@@ -24,7 +24,7 @@ from ...engine.batch import call_criterion, call_with
 from ...logging import get_dist_logger
 from ...utils.flops import StepFlops, compute_kind, count_step_flops, peak_flops
 from .._timeline import Timeline, make_clock
-from ..speed_report import HOOK_PREFIX, PHASES, SpeedFigures, format_report
+from ..speed_report import HOOK_PREFIX, PHASES, TAIL, SpeedFigures, format_report
 from ._metric_hook import Metric, MetricHook
 from ._utils import device_of
 
@@ -70,6 +70,8 @@ class _Figure(Metric):
 
     def get_accumulated_info(self) -> str:
         value = self.get_accumulated_value()
+        if value != value:  # (NaN: no step of the epoch was measured, e.g. only the warm-up ran)
+            return "n/a"
         return f"{100 * value:.3g}%" if self.percent else f"{value:.5g}"
 
     @staticmethod
@@ -309,6 +311,8 @@ class SpeedReportHook(MetricHook):
         self._world = world_size()
         self._peak, self.peak_note = peak_flops(device_of(trainer), compute_kind(engine.precision.name),
                                                 self.peak_tflops, self.measure_cpu_peak)
+        if self._world > 1:
+            self._peak = self._ranks_peak(self._peak)
         # the window's real tokens are read after each backward, an event a step of the user's own does not fire
         self.counts_tokens = hasattr(engine.reduction, "tokens") and trainer.user_step is None
         self._fit, self._epoch_totals = _Totals(), _Totals()
@@ -326,6 +330,21 @@ class SpeedReportHook(MetricHook):
             self.clock_kind = type(self._timing.timeline.clock).__name__
         self._iter_handlers: Tuple[Callable, ...] = ()
         trainer.instrument(self._lean, ("after_train_iter", "after_backward"))
+
+    def _ranks_peak(self, peak: Optional[float]) -> Optional[float]:
+        """The mean of the ranks' peaks (one all-reduce), so that every rank divides by the same one: a CPU's is
+        measured by each process and varies; None when some rank has none."""
+        both = all_reduce_sum_(torch.tensor([peak or 0.0, peak is not None], dtype=torch.float64,
+                                            device=self._engine.device)).tolist()
+        if both[1] < self._world:
+            if peak is not None:
+                self.peak_note = "no MFU: another rank knows no peak for its device; give peak_tflops="
+            return None
+        mean = both[0] / self._world
+        if self.peak_tflops is None and self._engine.device.type == "cpu":
+            self.peak_note = (f"{mean / 1e9:.1f} GFLOP/s measured by a float32 matrix product on this CPU (the mean "
+                              f"of the {self._world} ranks' measurements)")
+        return mean
 
     def _lean(self, point: str, handlers: Tuple[Callable, ...]) -> Sequence[Callable]:
         """The functions of ``point`` on a step the breakdown does not time: the hooks' own, with this hook's
@@ -362,8 +381,8 @@ class SpeedReportHook(MetricHook):
             # (no operators are counted when the user gives the FLOPs: that figure is not recorded, rather than
             # recorded as NaN, which would make two runs' histories unequal)
             counted = ("ops_per_micro_batch",) if self._given_flops is None else ()
-            for name in ("steps", "timed_steps", "micro_batches", "world_size", *counted, "flops_per_micro_batch",
-                         "peak_tflops"):
+            for name in ("steps", "timed_steps", "micro_batches", "seconds", "world_size", *counted,
+                         "flops_per_micro_batch", "peak_tflops"):
                 train[f"speed/{name}"] = _Figure(lambda: None, lambda n=name: self._epoch_figures()[n], True,
                                                  device, in_log_line=False)
                 self._own["train"].append(f"speed/{name}")
@@ -434,7 +453,27 @@ class SpeedReportHook(MetricHook):
         self._watch_syncs(False)  # (the epoch's figures are read after this: a read the user asked for)
 
     def after_train(self, trainer):
+        self._record_tail(trainer)
         self._finish(trainer)
+
+    def _record_tail(self, trainer) -> None:
+        """Record what the epochs' records left out, so that the metrics file holds the whole fit (what
+        ``colossal-lite report`` reads): the time spent after the last epoch's record (a checkpoint saved at
+        its end is timed after it), or a stopped epoch's figures (preemption ends an epoch without its record).
+        Every rank records alike (the figures are a collective)."""
+        totals = self._epoch_totals
+        whole_epoch = totals.figures is None and totals.steps > 0  # (figures never read: never recorded)
+        if not whole_epoch and self._timing is None:
+            return
+        if not whole_epoch:
+            self._fit.add(totals)
+            self._epoch_totals = _Totals()
+        figures = self._epoch_figures()
+        if whole_epoch:  # the stopped epoch's record, as its end would have made it
+            values = {f"train/{n}": figures[n.split("/", 1)[1] if "/" in n else n] for n in self._own["train"]}
+        else:  # a record of its own: the last epoch's record is at this step, and a step's later record replaces it
+            values = {f"train/{TAIL}/{n[5:]}": figures[n[5:]] for n in self._own["train"] if n.startswith("time/")}
+        trainer.record_values({n: v for n, v in values.items() if v is not None and v == v})
 
     # -- figures -------------------------------------------------------------------------------------------
     def _first_count(self, trainer, samples: int) -> None:
@@ -451,6 +490,10 @@ class SpeedReportHook(MetricHook):
         """The training FLOPs of one micro-batch, counted once on meta tensors (or the user's figure)."""
         if self._given_flops is not None:
             self.flops = StepFlops(flops=int(self._given_flops * samples), ops=0, samples=samples)
+            return
+        if trainer.user_step is not None:
+            self.flops_note = ("no MFU: a step of your own (fit(step=...)) calls the model itself, so its FLOPs are "
+                               "not counted; give SpeedReportHook(flops_per_sample=...)")
             return
         st, engine = trainer.state, self._engine
         criterion = engine.criterion.wrapped
@@ -524,7 +567,7 @@ class SpeedReportHook(MetricHook):
         world = self._world
         samples, seconds = values[0], values[1] / world
         out = {name: value / world for name, value in zip(names, values[2:-1])}
-        out.update(samples_per_s=samples / seconds if seconds > 0 else None, steps=totals.steps,
+        out.update(samples_per_s=samples / seconds if seconds > 0 else None, seconds=seconds, steps=totals.steps,
                    timed_steps=totals.timed_steps, micro_batches=totals.micro_batches, world_size=world,
                    ops_per_micro_batch=self.flops.ops if self.flops is not None and self.flops.ops else None,
                    flops_per_micro_batch=None if self.flops is None else float(self.flops.flops),
@@ -595,8 +638,8 @@ class SpeedReportHook(MetricHook):
         self._fit.add(self._epoch_totals)
         self._epoch_totals = _Totals()
         seconds: Dict[str, float] = {}
-        if timing is not None:
-            raw = timing.seconds_since(self._baseline)
+        if timing is not None:  # the time up to the last record (``_record_tail`` made one just now)
+            raw = {key: value - self._baseline.get(key, 0.0) for key, value in self._recorded.items()}
             shared = shared_out(raw, raw)
             seconds = {p: shared.get(p, 0.0) for p in self._phases(trainer) + ["evaluation"]}
         fit = self._reduced(self._fit, seconds)
