@@ -38,8 +38,8 @@ def is_step_name(name: str) -> bool:
 #: counts of the steps those figures cover (a resumed run starts them afresh, after a warm-up step of its own).
 #: They differ between two runs of the same training, and between ranks. A hook that records such a value adds
 #: its name here.
-MEASURED_NAMES = ("checkpoint/*", "*/time/*", "train/time_after_epochs/*", "train/samples_per_s*", "train/tokens_per_s*", "train/mfu",
-                  "train/speed/peak_tflops", "train/speed/steps", "train/speed/timed_steps",
+MEASURED_NAMES = ("checkpoint/*", "*/time/*", "train/time_after_epochs/*", "train/samples_per_s*",
+                  "train/tokens_per_s*", "train/mfu", "train/speed/peak_tflops", "train/speed/steps", "train/speed/timed_steps",
                   "train/speed/micro_batches", "train/speed/seconds")
 
 

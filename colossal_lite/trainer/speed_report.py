@@ -193,9 +193,9 @@ def format_report(figures: SpeedFigures, rows: int = 6) -> str:
 
 def figures_from_records(records: Iterable[Mapping]) -> SpeedFigures:
     """The figures of a run from its metrics file's records (``utils.metrics_file.read_metrics``): the phase
-    seconds summed over the epochs' records (``train/time/<phase>``) and the evaluations'
-    (``test/time/evaluation``), the step counts summed, throughput and MFU of the last epoch. Raises ValueError
-    when the run recorded no speed breakdown."""
+    seconds summed over the epochs' records (``train/time/<phase>``), the time after the last one
+    (``train/time_after_epochs/<phase>``) and the evaluations' (``test/time/evaluation``), the step counts summed,
+    throughput and MFU over the whole run. Raises ValueError when the run recorded no speed breakdown."""
     sums: Dict[str, float] = {}
     last: Dict[str, float] = {}
     columns = by_name(records)
