@@ -866,7 +866,10 @@ class Trainer:
         return self.state_registry.state()
 
     def record_values(self, values: Dict[str, float], step: Optional[int] = None, epoch: Optional[int] = None) -> None:
-        """Record ``values`` a hook measured (every rank alike) into the history and, during ``fit``, the trackers."""
+        """Record ``values`` a hook measured (every rank alike) into the history and, during ``fit``, the trackers;
+        a test-mode fit keeps none (it leaves the history as it found it)."""
+        if self.state.fitting and self._recorder is None:  # (a fit records through its Recorder, except in test mode)
+            return
         step = self.state.step if step is None else step
         epoch = self.state.epoch if epoch is None else epoch
         if self._recorder is not None:

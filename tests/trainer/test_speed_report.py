@@ -584,3 +584,14 @@ def test_an_epoch_with_no_measured_step_reads_n_a_in_the_log_line(caplog):
     fit([LogMetricByEpochHook(logger=logging.getLogger("speed-na"))], data=make_data(n=8))  # one step: the warm-up
     (line,) = [r.getMessage() for r in caplog.records if "/ Train]" in r.getMessage()]
     assert "samples_per_s = n/a" in line and "mfu = n/a" in line and "nan" not in line, line
+
+
+def test_test_mode_with_the_report_leaves_the_history_as_it_was(tmp_path):
+    """The report records the time after the last epoch's record at the end of every fit; test mode records
+    nothing (it added ten ``train/time_after_epochs/*`` records)."""
+    engine, loader = build()
+    trainer = Trainer(engine)
+    speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS)
+    trainer.fit(loader, epochs=1, hooks=[speed, LossHook(), SaveCheckpointHook("1ba", str(tmp_path / "ck"))],
+                test_mode=True, log_dir=False)
+    assert trainer.test_mode_result.ok and len(trainer.history) == 0, trainer.history.names
