@@ -159,7 +159,8 @@ def lookup_peak_tflops(device_name: str, kind: str) -> Optional[float]:
 def measure_cpu_peak(seconds: float = 0.2, size: int = 512) -> float:
     """FLOP/s of the best of repeated ``size``-square float32 matrix products over about ``seconds``: the rate
     this CPU reaches on the arithmetic that dominates training, taken as its peak."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    numbers = torch.Generator().manual_seed(0)  # (the global generator untouched: training's draws stay its own)
+    a, b = torch.randn(size, size, generator=numbers), torch.randn(size, size, generator=numbers)
     torch.mm(a, b)  # the first product allocates and warms the library up
     best, end = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < end:

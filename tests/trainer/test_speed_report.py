@@ -25,6 +25,7 @@ from colossal_lite.trainer.hooks import (
     LossHook,
     SaveCheckpointHook,
     SpeedReportHook,
+    ThroughputHook,
 )
 from colossal_lite.trainer.speed_report import SpeedFigures, figures_from_records, format_report, rank_causes
 from colossal_lite.utils.metrics_file import read_metrics
@@ -269,6 +270,17 @@ def test_the_cpu_peak_is_measured_once_per_process():
     assert time.perf_counter() - start < 0.05  # (a measurement takes 0.2 s)
 
 
+def test_measuring_the_cpu_peak_leaves_the_global_random_state_as_it_was():
+    """The measurement's matrices come from a generator of its own: it drew from torch's global one, so adding
+    ``SpeedReportHook()`` moved every later shuffle and dropout mask of the run (its parameters differed)."""
+    from colossal_lite.utils.flops import measure_cpu_peak
+
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    assert measure_cpu_peak(seconds=0.01, size=64) > 0
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_tokens_per_second_with_the_per_token_reduction():
     gpc.destroy()
     colossal_lite.launch_from_torch(config=dict(grad_reduction="per-token-mean"), seed=0, verbose=False)
@@ -423,13 +435,14 @@ def test_the_bar_shortens_the_throughput_names():
 def test_two_runs_of_the_same_training_differ_only_in_the_clock_measured_values():
     """``History.without_measured()`` compares two runs: what it leaves out (``MEASURED_NAMES``) is every value that
     a clock measured, and only those (the counts of steps, micro-batches and FLOPs stay in)."""
-    runs = [fit([LossHook()], epochs=2)[1].history for _ in range(2)]
+    runs = [fit([LossHook(), ThroughputHook()], epochs=2)[1].history for _ in range(2)]
     assert runs[0].without_measured() == runs[1].without_measured()  # (no NaN record: NaN != NaN)
+    assert len(runs[0].epochs) == 2  # (the end of fit's record of the time after the epochs has no epoch of its own)
     assert "train/speed/ops_per_micro_batch" not in runs[0]  # (the FLOPs were given: no operators counted)
     names = set(runs[0].names)
     measured = {name for name in names if is_measured(name)}
     assert {"train/time/forward", "train/samples_per_s_step", "train/samples_per_s_per_rank", "train/mfu",
-            "train/speed/peak_tflops"} <= measured
+            "train/speed/peak_tflops", "train/Throughput", "train/time_after_epochs/loop"} <= measured
     assert {"train/Loss_step", "train/speed/world_size", "train/speed/flops_per_micro_batch"} <= names - measured
     differ = {name for name in measured if runs[0].series(name) != runs[1].series(name)}
     assert {"train/time/forward", "train/samples_per_s_step"} <= differ

@@ -320,6 +320,7 @@ class SpeedReportHook(MetricHook):
         self._recorded: Dict[str, float] = {}  # seconds by timeline key up to the last record (and the warm-up's)
         self._baseline: Dict[str, float] = {}  # seconds by timeline key of the warm-up steps, left out of the report
         self._steps_seen = self._micro_samples = self._iteration = 0
+        self._recorded_epoch = trainer.state.epoch  # the epoch of the last epoch record (the time after it: its)
         self._tokens: Any = None
         self._sync_watch: Any = None  # the warnings caught while torch's sync debug mode is on (False: done)
         self.sync_counts: Dict[str, int] = {}  # host syncs seen on a GPU, by Python line
@@ -451,6 +452,7 @@ class SpeedReportHook(MetricHook):
 
     def after_train_epoch(self, trainer):
         self._watch_syncs(False)  # (the epoch's figures are read after this: a read the user asked for)
+        self._recorded_epoch = trainer.state.epoch
 
     def after_train(self, trainer):
         self._record_tail(trainer)
@@ -471,9 +473,11 @@ class SpeedReportHook(MetricHook):
         figures = self._epoch_figures()
         if whole_epoch:  # the stopped epoch's record, as its end would have made it
             values = {f"train/{n}": figures[n.split("/", 1)[1] if "/" in n else n] for n in self._own["train"]}
+            epoch = trainer.state.epoch
         else:  # a record of its own: the last epoch's record is at this step, and a step's later record replaces it
             values = {f"train/{TAIL}/{n[5:]}": figures[n[5:]] for n in self._own["train"] if n.startswith("time/")}
-        trainer.record_values({n: v for n, v in values.items() if v is not None and v == v})
+            epoch = self._recorded_epoch  # (the run has moved past it: no epoch of its own)
+        trainer.record_values({n: v for n, v in values.items() if v is not None and v == v}, epoch=epoch)
 
     # -- figures -------------------------------------------------------------------------------------------
     def _first_count(self, trainer, samples: int) -> None:
