@@ -91,7 +91,7 @@ INSTRUMENT_POINTS = _EVENT_NAMES + ("before_load",)
 class _Handlers:
     """For each event, the tuple of bound hook methods that handle it (built once per fit): an event nobody
     handles costs an empty loop. ``plain`` keeps the hooks' own tuples (and ``'before_load'``'s, empty) while an
-    instrument has put its own in their place."""
+    instrument has put its own in their place; ``instrument_owners`` which instrument holds each such point."""
 
     def __init__(self, hooks: Sequence[BaseHook] = ()):
         self.plain = {name: tuple(getattr(hook, name) for hook in hooks if _overrides(hook, name))
@@ -99,6 +99,7 @@ class _Handlers:
         for name, handlers in self.plain.items():
             setattr(self, name, handlers)
         self.plain["before_load"] = ()
+        self.instrument_owners: Dict[str, Any] = {}
 
 
 @dataclass
@@ -401,13 +402,17 @@ class Trainer:
         self.fire(func, *(output or ()))
 
     def instrument(self, wrap: Optional[Callable[[str, Tuple[Callable, ...]], Sequence[Callable]]],
-                   points: Optional[Sequence[str]] = None) -> None:
+                   points: Optional[Sequence[str]] = None, owner: Any = None) -> None:
         """The seam for a tool that measures the running fit (``SpeedReportHook`` uses it): from now on the loop
         calls, at each of ``points`` (``INSTRUMENT_POINTS``; None: all), the functions ``wrap(point, handlers)``
         returns instead of the attached hooks' ``handlers`` (their bound methods in priority order);
         ``wrap=None`` gives those points their hooks' handlers back. The loop checks nothing per step: it calls
         whichever functions are in place, so a run without an instrument pays nothing, and an instrument may
-        switch itself on for some steps only. Each attach (each ``fit``) starts from the hooks' handlers."""
+        switch itself on for some steps only. Each attach (each ``fit``) starts from the hooks' handlers.
+
+        A point belongs to one instrument at a time (``owner``; None: the object ``wrap`` is a method of), until it
+        gives the point back: another instrument taking it is a ValueError, where it would silently replace the
+        first one's functions (each builds from the hooks' handlers)."""
         if self._step is None:
             raise RuntimeError("Trainer.instrument is for a running fit or evaluate: call it from a hook's "
                                "after_hook_is_attached or a later event")
@@ -415,10 +420,22 @@ class Trainer:
         if unknown:
             raise ValueError(f"Trainer.instrument: no point named {', '.join(map(repr, unknown))}; the points are "
                              f"the events' names (colossal_lite.trainer.events.Event values) and 'before_load'")
-        h = self._h
-        for point in INSTRUMENT_POINTS if points is None else points:
+        h, owners = self._h, self._h.instrument_owners
+        points = INSTRUMENT_POINTS if points is None else points
+        owner = getattr(wrap, "__self__", wrap) if owner is None else owner
+        taken = {point: owners[point] for point in points if wrap is not None and owners.get(point, owner) is not owner}
+        if taken:
+            held = ", ".join(f"{point!r} ({type(other).__name__})" for point, other in taken.items())
+            raise ValueError(f"Trainer.instrument: {type(owner).__name__} takes points another instrument holds: "
+                             f"{held}. One instrument per point: keep one of them in the fit's hooks, or let the "
+                             f"other give its points back first (trainer.instrument(None, points))")
+        for point in points:
             handlers = h.plain[point] if wrap is None else tuple(wrap(point, h.plain[point]))
             setattr(self._step if point == "before_load" else h, point, handlers)
+            if wrap is None:
+                owners.pop(point, None)
+            else:
+                owners[point] = owner
 
     def _attach(self, hooks, purpose: str, recorder: Optional[Recorder] = None,
                 user_step: Union[UserStep, Callable, None] = None) -> None:

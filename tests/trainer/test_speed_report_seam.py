@@ -94,3 +94,27 @@ def test_evaluate_alone_with_the_hook_measures_nothing_and_does_not_fail():
     engine, loader = build()
     result = Trainer(engine).evaluate(loader, hooks=[SpeedReportHook(peak_tflops=1.0, report=False), LossHook()])
     assert set(result) == {"Loss"}
+
+
+def test_a_point_belongs_to_one_instrument_at_a_time():
+    """Two instruments at one point would each build from the hooks' handlers, the later one silently replacing
+    the other's functions (a tool attached after SpeedReportHook made it count no step): it is an error naming
+    the point and its holder. Points no one else holds can be taken, and a point given back can be taken again."""
+    engine, loader = build()
+    for hooks in ([SpeedReportHook(peak_tflops=1.0, report=False), Probe()],  # the hook first: it holds the point
+                  [Probe(), SpeedReportHook(peak_tflops=1.0, report=False, breakdown_every=1)]):
+        with pytest.raises(ValueError, match=r"Trainer.instrument: \w+ takes points another instrument holds: "
+                                             r"'(before_load|after_loss)' \((SpeedReportHook|Probe)\)"):
+            Trainer(engine).fit(loader, epochs=1, hooks=hooks, log_dir=False)
+
+    class OnTheTest(BaseHook):  # a point the speed report does not take
+        def after_hook_is_attached(self, trainer):
+            trainer.instrument(lambda point, handlers: handlers + (lambda *args: None,), ["after_test_iter"])
+    speed = SpeedReportHook(peak_tflops=1.0, report=False)
+    Trainer(engine).fit(loader, epochs=1, hooks=[speed, OnTheTest()], log_dir=False)
+    assert speed.figures.steps == 5  # (6 steps, the first the warm-up)
+
+    probe = Probe()  # gives its points back after the second step: the speed report's sampled steps take them
+    Trainer(engine).fit(loader, epochs=1, hooks=[probe, SpeedReportHook(peak_tflops=1.0, report=False,
+                                                                        warmup_steps=2)], log_dir=False)
+    assert probe.seen[:8] == ["load", "loaded", "timed", "loss"] * 2

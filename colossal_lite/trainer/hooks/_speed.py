@@ -143,7 +143,7 @@ class _Breakdown:
         """Put the sampled step's functions in place (or the lean ones back) at every point it takes over."""
         self.sampling = sample
         self.timeline.switch("loop" if sample else UNSAMPLED)
-        self.trainer.instrument(self._timed if sample else self.lean, SPAN_POINTS)
+        self.trainer.instrument(self._timed if sample else self.lean, SPAN_POINTS, owner=self.hook)
         if self.world > 1:
             self._watch_gradients(sample)
 
