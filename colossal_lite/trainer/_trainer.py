@@ -7,6 +7,7 @@ exactly what ``zero_grad(); execute_schedule(); step()`` computes.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import os
@@ -800,7 +801,7 @@ class Trainer:
     def _test_mode(self, run: "_Run") -> TestModeResult:
         """One optimizer step (one window of micro-batches) and one eval batch through all hooks; then a verdict."""
         st, engine = self.state, self._engine
-        saved_progress = st.state_dict()
+        saved_progress, saved_hooks = st.state_dict(), self._hooks_test_mode_puts_back()
         engine.train()
         self.fire(Event.BEFORE_TRAIN)
         st.phase = "train"
@@ -821,6 +822,8 @@ class Trainer:
         losses = [loss for loss in (train_loss, eval_loss) if loss is not None]
         finite = self._all_finite(losses)
         st.load_state_dict(saved_progress)
+        for hook, state in saved_hooks:
+            hook.load_state_dict(state)
         train_loss, eval_loss = (None if loss is None else float(loss.item()) for loss in (train_loss, eval_loss))
         result = _test_mode_result(finite, checkpoint_note, n_train, n_eval, run.test_loader is not None,
                                    train_loss, eval_loss, bool(updated))
@@ -829,6 +832,13 @@ class Trainer:
             raise TestModeFailed(result)
         log_rank_0(self._logger if self._logger is not None else get_dist_logger(), result.message)
         return result
+
+    def _hooks_test_mode_puts_back(self) -> List[Tuple[BaseHook, Dict[str, Any]]]:
+        """``(hook, a copy of its state)`` of each hook with a state, for test mode to put back: what a hook
+        learns from one batch (an early stop's best loss, an average) must not carry into the run. A hook whose
+        state is a scheduler's (``checkpoint_entry`` 'lr_schedulers') keeps the step, as the scheduler does."""
+        return [(hook, copy.deepcopy(hook.state_dict())) for hook in self.state_registry.parts("hooks").values()
+                if getattr(hook, "checkpoint_entry", None) != "lr_schedulers"]
 
     def _all_finite(self, losses: List[torch.Tensor]) -> bool:
         """The losses and every parameter are finite on every rank (one all-reduce: all ranks give one verdict)."""

@@ -502,6 +502,32 @@ def test_test_mode_runs_one_step_and_one_eval_batch_then_gives_a_verdict():
     assert (trainer.cur_epoch, trainer.cur_step, trainer.state.iteration) == (0, 0, 0)  # progress not advanced
 
 
+def test_test_mode_puts_the_hooks_states_back_and_the_run_after_it_stops_as_without_it():
+    """What a hook learns from test mode's one batch does not carry into the run: an early stop that kept the
+    one-batch evaluation's loss as its best stopped the following fit after 2 of 5 improving epochs. The LR
+    scheduler keeps the step, as the model and optimizer do."""
+    from colossal_lite.trainer.hooks import EarlyStoppingHook, LRSchedulerHook
+
+    def run(test_mode_first):
+        model = make_model()
+        engine, _ = make_engine(model)
+        stop = EarlyStoppingHook(monitor="test/Loss", patience=0)
+        scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+        hooks = [LossHook(), stop, LRSchedulerHook(scheduler, by_epoch=False)]
+        trainer = Trainer(engine)
+        if test_mode_first:
+            trainer.fit(make_batches(4), epochs=1, test_dataloader=make_batches(2, seed=9), hooks=hooks,
+                        test_mode=True)
+            assert stop.state_dict() == EarlyStoppingHook(monitor="test/Loss", patience=0).state_dict()
+            assert scheduler.last_epoch == 1  # (the scheduler keeps test mode's step)
+        trainer.fit(make_batches(4), epochs=5, test_dataloader=make_batches(2, seed=9), hooks=hooks, log_dir=False)
+        return trainer.history["test/Loss"]
+
+    losses = run(test_mode_first=False)
+    assert len(losses) == 5 and losses == sorted(losses, reverse=True)  # (improving: no early stop)
+    assert len(run(test_mode_first=True)) == 5
+
+
 def test_test_mode_reports_a_non_finite_loss():
     class NaNLoss(BaseHook):
         def after_loss(self, trainer):
