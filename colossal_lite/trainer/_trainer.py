@@ -487,6 +487,8 @@ class Trainer:
                     raise ValueError(f"{type(hook).__name__} watches metric {spec!r}: {err}") from None
 
     def _detach(self) -> None:
+        if self._step is not None:  # (the hooks were attached: an attach that failed early has no handlers yet)
+            self.fire(Event.AFTER_HOOK_IS_DETACHED)
         self._step = None
         self._recorder = None
         self.state_registry.clear("trackers")

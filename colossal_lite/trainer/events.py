@@ -15,6 +15,7 @@ class Event(str, Enum):
     """An event; its value is the name of the ``BaseHook`` method that handles it."""
 
     AFTER_HOOK_IS_ATTACHED = "after_hook_is_attached"
+    AFTER_HOOK_IS_DETACHED = "after_hook_is_detached"
     BEFORE_TRAIN = "before_train"
     AFTER_TRAIN = "after_train"
     BEFORE_TRAIN_EPOCH = "before_train_epoch"

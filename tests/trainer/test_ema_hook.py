@@ -75,6 +75,37 @@ def test_evaluation_runs_on_the_average_and_training_weights_come_back():
     assert not torch.equal(averaged[0].weight, model[0].weight)
 
 
+def test_an_evaluation_that_raises_gives_the_model_its_live_weights_back():
+    """The average trades places with the live weights in before_test and back in after_test: an evaluation that
+    raised in between (a Ctrl-C in a notebook) left the average in the model, and the next fit trained from it.
+    The swap back now also runs as the hooks are detached, however evaluate or fit ended."""
+    model, engine, loader = build()
+    ema = EMAHook(decay=0.8)
+    trainer = Trainer(engine)
+    trainer.fit(loader, epochs=1, hooks=[ema])
+    live = copy.deepcopy(model.state_dict())
+
+    class Interrupt(BaseHook):  # (first at before_test: it sees the live weights, before EMAHook's swap)
+        def before_test(self, trainer):
+            self.live = copy.deepcopy(model.state_dict())
+
+        def after_test_iter(self, trainer, output, label, loss):
+            raise KeyboardInterrupt
+
+    test = [(x, y) for x, y in get_dataloader(dataset(12), batch_size=6)]
+    for run in ("evaluate", "fit"):
+        interrupt = Interrupt(priority=0)
+        with pytest.raises(KeyboardInterrupt):
+            if run == "evaluate":
+                trainer.evaluate(test, hooks=[ema, interrupt])
+            else:
+                trainer.fit(loader, epochs=2, test_dataloader=test, hooks=[ema, interrupt])
+        for name, t in model.state_dict().items():
+            assert torch.equal(t, interrupt.live[name]), (run, name)
+    assert not torch.equal(live["0.weight"], model[0].weight)  # (the fit trained a step before it was stopped)
+    assert not torch.equal(ema.ema_model.module[0].weight, model[0].weight)
+
+
 def test_a_resumed_run_has_the_uninterrupted_runs_average():
     _, ref_engine, ref_loader = build()
     ref = EMAHook(decay=0.9)

@@ -73,7 +73,7 @@ def test_event_order_with_accumulation_and_evaluation():
                   + ["after_test_epoch", "after_test"])
     epoch = (["before_train_epoch"] + train_iter(True, False) + train_iter(False, True) + train_iter(True, True)
              + ["after_train_epoch"] + evaluation)
-    assert rec.calls == ["after_hook_is_attached", "before_train"] + epoch + epoch + ["after_train"]
+    assert rec.calls == ["after_hook_is_attached", "before_train"] + epoch + epoch + ["after_train", "after_hook_is_detached"]
 
 
 def test_step_and_iteration_counters_respect_accumulation():

@@ -44,6 +44,10 @@ class BaseHook:
     def after_hook_is_attached(self, trainer) -> None:
         """Once per ``fit``/``evaluate``, after the hooks are sorted: register metrics, read the run's shape."""
 
+    def after_hook_is_detached(self, trainer) -> None:
+        """Once per ``fit``/``evaluate``, as it ends, normally or by an error (then on the rank that raised, and
+        perhaps not on the others: no collective here): put back what the hook changed for the run only."""
+
     def before_train(self, trainer) -> None:
         pass
 

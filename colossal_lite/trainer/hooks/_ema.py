@@ -62,6 +62,10 @@ class EMAHook(BaseHook):
         if self._swapped:
             self._swap()
 
+    def after_hook_is_detached(self, trainer) -> None:
+        if self._swapped:  # an evaluation that raised: the model gets its live weights back
+            self._swap()
+
     @torch.no_grad()
     def _swap(self) -> None:
         """The model's and the average's weights and buffers trade places (twice is where it started)."""

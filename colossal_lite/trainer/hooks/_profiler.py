@@ -72,8 +72,8 @@ class ProfilerHook(BaseHook):
     Lines are logged by the lowest profiled rank through ``logger`` (else the Trainer's, else the library's).
 
     A fit that ends inside an active cycle writes what was recorded (the name says which steps); one that ends
-    before it writes nothing and says so. The profiler stops at ``after_train``; a fit that raises leaves it
-    running until ``close()``, the hook's next ``fit``, or the end of a ``with ProfilerHook(...)`` block.
+    before it writes nothing and says so. The profiler stops at ``after_train``, or, in a fit that raises, as
+    its hooks are detached (what an active cycle recorded is written then).
     """
 
     def __init__(self, wait: int = 1, warmup: int = 1, active: int = 3, dir=None, *, skip_first: int = 0,
@@ -150,9 +150,12 @@ class ProfilerHook(BaseHook):
     def after_train(self, trainer) -> None:
         self.close()
 
+    def after_hook_is_detached(self, trainer) -> None:
+        self.close()  # (a fit that raised did not reach after_train)
+
     def close(self) -> None:
         """Stop the profiler if it is running; an active cycle it was recording is written as far as it got.
-        ``fit`` calls it at its end; call it yourself after a ``fit`` that raised."""
+        ``fit`` calls it at its end, whether it ended normally or raised."""
         prof, self._prof = self._prof, None
         if prof is None:
             return
