@@ -3,14 +3,16 @@
 The batch is retried whole with twice as many micro-batches; all ranks agree on the split
 (one flag all-reduced per batch, read on the host: the price of this mode). Gradients are
 all-reduced once per batch after every rank succeeded, so a rank that ran out of memory
-never leaves another waiting inside a collective.
+never leaves another waiting inside a collective. What a failed try changed (gradients, token
+counts, buffers, random generators) is put back before the retry, and the next batch starts
+with the split the last one needed.
 """
 from __future__ import annotations
 
 import torch
 
 from ..core.dist import all_agree, world_size
-from .batch import batch_len, call_with, split_samples
+from .batch import batch_len, call_with, join_samples, split_samples
 from .reduction import not_a_loss
 from .strategy import AllReduceStrategy
 
@@ -21,14 +23,19 @@ class AutoMicroBatcher:
         self.logger = logger
         self._reducer = AllReduceStrategy()
 
-    def run(self, engine, data, label, where=None):
-        """Forward and backward of one batch, split as often as needed; returns (output, loss)."""
+    def run(self, engine, data, label, where=None, batch=None):
+        """Forward and backward of one batch (``data``, ``label``: its split; ``batch``: the batch itself, which a
+        model's own loss counts tokens in), split as often as needed; returns (output, loss)."""
         where = engine.enter_micro_batch(where)
         n = batch_len(data)
+        started, before = self.parts, _TryState(engine.model)
         while True:
             parts = min(self.parts, n)
+            # each try's first forward brings the ranks' buffers together, as DDP does at an unaccumulated step's
+            # (every piece runs without gradient sync, which would otherwise stop it after the first try)
+            engine.strategy.sync_buffers_at_next_forward(engine.model)
             try:
-                outputs, loss = self._forward_backward(engine, data, label, parts, n, where)
+                outputs, loss = self._forward_backward(engine, data, label, batch, parts, n, where)
                 ok = True
             except torch.OutOfMemoryError:
                 ok, outputs, loss = False, [], None
@@ -36,40 +43,60 @@ class AutoMicroBatcher:
                 torch.cuda.empty_cache()  # out of the except block: the failed try's tensors (its traceback) are gone
             if all_agree(ok, engine.device):
                 break
-            self._retry_in_more_parts(engine, parts, n)
+            before.restore()
+            self._retry_in_more_parts(engine, parts, n, started)
         engine.window.backward_done = True
         if world_size() > 1:
             self._reducer.reduce_gradients(engine.model)
-        output = torch.cat(outputs) if outputs and all(isinstance(o, torch.Tensor) for o in outputs) else outputs
-        return output, loss
+        return join_samples(outputs), loss
 
     @staticmethod
-    def _forward_backward(engine, data, label, parts: int, n: int, where):
+    def _forward_backward(engine, data, label, batch, parts: int, n: int, where):
         """The batch in ``parts`` pieces, each weighed by the gradient reduction as its part of the micro-batch
         ``where`` (a mean's piece by its share of the samples, a sum's or a token mean's as it is);
-        -> (outputs, the batch's loss: the pieces' losses weighed by their shares of the samples)."""
-        outputs, total = [], None
-        for d, lab in zip(split_samples(data, parts, n), split_samples(label, parts, n)):
+        -> (outputs, the batch's loss as the reduction joins its pieces' losses)."""
+        outputs, losses = [], []
+        batches = split_samples(batch, parts, n) if batch is not None else [None] * parts
+        for d, lab, b in zip(split_samples(data, parts, n), split_samples(label, parts, n), batches):
             with engine.strategy.no_sync(engine.model):
                 out = call_with(engine.run_model, d)  # the pieces are one micro-batch, entered above
-                loss = engine.compute_loss(out, lab, d)
+                loss = engine.compute_loss(out, lab, d if b is None else b)
                 if not isinstance(loss, torch.Tensor):
                     raise not_a_loss(loss, engine.criterion.wrapped, engine.reduction.name)
                 engine.loss_guard.watch(loss)
-                weight = batch_len(d) / n
-                engine.precision.backward(loss, engine.reduction.loss_weight(loss, where, share=weight))
+                weight = engine.reduction.loss_weight(loss, where, share=batch_len(d) / n)
+                engine.precision.backward(loss, weight)
             outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
-            part = loss.detach() * weight
-            total = part if total is None else total + part
-        return outputs, total
+            losses.append((loss.detach(), weight))
+        return outputs, engine.reduction.joined_loss(losses)
 
-    def _retry_in_more_parts(self, engine, parts: int, n: int) -> None:
+    def _retry_in_more_parts(self, engine, parts: int, n: int, started: int) -> None:
         engine.precision.zero_grad(engine.model, engine.optimizer)
         engine.reduction.reset()  # (the failed try's token counts: each batch is a window of its own)
         if parts >= n:
+            self.parts = started  # (the next batch starts where this one did, not at pieces of one sample)
             raise torch.OutOfMemoryError(f"gradient_accumulation='auto': even micro-batches of 1 sample run out of "
                                          f"memory on some rank (batch of {n}); reduce the model or the sequence size")
         self.parts = parts * 2
         if self.logger is not None:
             self.logger.info(f"out of memory with the batch of {n} in {parts} micro-batch(es) on some rank; "
                              f"retrying the same batch in {min(self.parts, n)}", ranks=[0])
+
+
+class _TryState:
+    """What a try that ran out of memory changed besides the gradients, put back before the retry so that it
+    runs as if the failed try had not: the model's buffers (BatchNorm's statistics) and the random generators
+    (dropout's masks). A copy of the buffers per batch is this mode's price, with its flag read."""
+
+    def __init__(self, model):
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.cpu_rng = torch.random.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
+        torch.random.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)

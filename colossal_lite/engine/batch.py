@@ -58,6 +58,17 @@ def split_samples(obj: Any, parts: int, n: int) -> List[Any]:
     return [map_leaves(operator.itemgetter(i), pieces) for i in range(parts)]
 
 
+def join_samples(pieces: List[Any]) -> Any:
+    """The pieces ``split_samples`` made, joined back: tensors with rows concatenated leaf by leaf, other leaves
+    (a 0-dim value) the first piece's; one piece is returned as it is."""
+    if len(pieces) == 1:
+        return pieces[0]
+    columns = zip(*(list(iter_leaves(piece)) for piece in pieces))
+    joined = iter([torch.cat(column) if isinstance(column[0], torch.Tensor) and column[0].dim() else column[0]
+                   for column in map(list, columns)])
+    return map_leaves(lambda _: next(joined), pieces[0])
+
+
 def take_rows(obj: Any, n: int, keep: int) -> Any:
     """``obj`` with every tensor of ``n`` rows cut to its first ``keep`` rows (anything else as it is)."""
     return map_leaves(lambda leaf: leaf[:keep] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0

@@ -12,7 +12,7 @@ One class per config value ``grad_reduction``, always called by the Engine:
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -53,6 +53,18 @@ class MeanReduction:
             weight = self._weights[key] = torch.ones((), dtype=loss.dtype, device=loss.device) / where.divisor
         return weight
 
+    def joined_loss(self, parts: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]) -> torch.Tensor:
+        """The loss of a micro-batch that automatic micro-batching ran in pieces, from each piece's ``(loss,
+        weight)`` (the weight ``loss_weight`` gave its backward): a mean's pieces weighed by their shares; one
+        piece's loss as it is."""
+        if len(parts) == 1:
+            return parts[0][0]
+        total = None
+        for loss, weight in parts:
+            part = loss if weight is None else loss * weight
+            total = part if total is None else total + part
+        return total
+
     def finish(self, params, closing: MicroBatch) -> None:
         """The window's gradients are summed (and reduced over ranks): make them the chosen reduction (the mean
         is already made: each loss was weighed by 1 / its window's size)."""
@@ -72,6 +84,10 @@ class SumReduction(MeanReduction):
 
     def loss_weight(self, loss, where, num_tokens=None, share=1.0):
         return None
+
+    def joined_loss(self, parts):
+        """The pieces' sums added."""
+        return super().joined_loss([(loss, None) for loss, _ in parts])
 
     def finish(self, params, closing):
         world = world_size()
@@ -117,6 +133,13 @@ class TokenMeanReduction(MeanReduction):
         n = torch.as_tensor(n, dtype=torch.float32, device=loss.device)  # (the same tensor when it is one already)
         self.tokens = n if self.tokens is None else self.tokens + n
         return n.to(loss.dtype)  # back to the micro-batch's token sum; divided by the global count at the step
+
+    def joined_loss(self, parts):
+        """The pieces' per-token means weighed by their token counts: the micro-batch's per-token mean."""
+        if len(parts) == 1:
+            return parts[0][0]
+        tokens = sum(weight for _, weight in parts)
+        return super().joined_loss(parts) / tokens.clamp(min=1)
 
     def finish(self, params, closing):
         total = self.tokens if self.tokens is not None else torch.zeros(())

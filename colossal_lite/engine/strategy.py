@@ -54,6 +54,10 @@ class SingleProcess:
         """Whether the coming backward synchronises gradients across ranks; set before the forward, where DDP
         decides it. Strategies that reduce in ``reduce_gradients`` have nothing to decide."""
 
+    def sync_buffers_at_next_forward(self, model: nn.Module) -> None:
+        """The next forward brings the ranks' buffers (BatchNorm's statistics) together, where data parallelism
+        does so; every rank calls it alike. Strategies that do not sync buffers have nothing to do."""
+
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module):
         """Forward and backward inside do not synchronise gradients (torch's ``DistributedDataParallel.no_sync``)."""
@@ -121,6 +125,10 @@ class DDPStrategy(SingleProcess):
     def set_gradient_sync(self, model, sync):
         # what DistributedDataParallel.no_sync() sets; its forward reads it (torch.compile wraps the DDP module)
         getattr(model, "_orig_mod", model).require_backward_grad_sync = sync
+
+    def sync_buffers_at_next_forward(self, model):
+        # DDP broadcasts rank 0's buffers at a forward that follows a synced one; a forward without sync clears it
+        getattr(model, "_orig_mod", model).require_forward_param_sync = True
 
     def explain(self, model, error):
         """DDP's "unused parameters" error (raised at the forward after a backward that left a parameter without a

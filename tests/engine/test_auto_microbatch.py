@@ -224,3 +224,132 @@ def test_two_ranks_with_different_token_counts_split_each_reduction_as_accumulat
     for rank in (0, 1):
         assert json.loads((tmp_path / f"equal.{rank}").read_text()) == {
             "mean": True, "sum": True, "per-token-mean": True}
+
+
+# -- where 'auto' meets buffers, random numbers, dict outputs and the loss a user reads ----------------------------
+class LateOOM(torch.nn.Module):
+    """BatchNorm and dropout, and an out-of-memory error raised after the forward ran (as a real one is, inside
+    the model or its backward) for batches of more than ``limit`` samples; a dict output."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.3),
+                                        torch.nn.Linear(8, 4))
+        self.limit, self.calls = limit, []
+
+    def forward(self, x):
+        self.calls.append(x.shape[0])
+        out = self.body(x)
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("injected after the forward")
+        return {"logits": out, "scale": torch.ones(())}
+
+
+def train_late(launched, accumulation, limit, batches):
+    launched({})
+    torch.manual_seed(0)
+    model = LateOOM(limit)
+    engine = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      lambda out, y: torch.nn.functional.cross_entropy(out["logits"], y),
+                                      config=dict(gradient_accumulation=accumulation), verbose=False)[0]
+    it, outputs = iter(batches), []
+    for _ in batches:  # the legacy loop: zero_grad and step every iteration, applied at a window's end
+        engine.zero_grad()
+        outputs.append(engine.execute_schedule(it)[0])
+        engine.step()
+    return model, outputs
+
+
+def test_a_failed_try_leaves_no_buffer_update_or_random_draw_and_outputs_keep_their_type(launched):
+    """A try that ran out of memory after its forward had updated BatchNorm's statistics and drawn dropout's
+    masks: the retry now starts from the state before it, so the pieces train bit for bit as a fixed accumulation
+    of them does (buffers too); a dict output stays a dict, split or not (it became a list of dicts)."""
+    x, y = make_batches(2, b=8, din=6, dout=4)[0][0], torch.randint(0, 4, (8,))
+    auto, outputs = train_late(launched, "auto", 4, [(x, y), (x.flip(0), y.flip(0))])
+    assert auto.calls == [8, 4, 4, 4, 4]  # the second batch starts with the first one's split
+    halves = [(x[:4], y[:4]), (x[4:], y[4:]), (x.flip(0)[:4], y.flip(0)[:4]), (x.flip(0)[4:], y.flip(0)[4:])]
+    fixed, _ = train_late(launched, 2, 8, halves)
+    for (name, a), b in zip(auto.state_dict().items(), fixed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert all(type(o) is dict and o["logits"].shape == (8, 4) and o["scale"].dim() == 0 for o in outputs)
+    _, unsplit = train_late(launched, "auto", 8, [(x, y)])
+    assert type(unsplit[0]) is dict and unsplit[0]["logits"].shape == (8, 4)
+
+
+def test_the_loss_a_user_reads_is_the_batchs_under_every_reduction_and_an_unsplittable_batch_keeps_the_split(
+        launched, tmp_path):
+    """The loss 'auto' returns joins its pieces as the reduction does: a sum's were weighed by their share of the
+    samples (a split batch reported half its loss), a token mean's by samples instead of tokens. A batch that no
+    split fits raises, and the next batch starts with the split the one before it needed, not pieces of one."""
+    helpers = _token_model(tmp_path)
+    x, y = helpers.token_batches()
+    # (under 'mean' a split batch's loss is its pieces' means weighed by their samples, as its gradient is, which
+    # with padding is not the whole batch's token mean: the other two reductions add up exactly)
+    for reduction in ("sum", "per-token-mean"):
+        losses = []
+        for limit in (4, 2):  # whole, then split in two
+            launched({})
+            torch.manual_seed(0)
+            model = helpers.TinyLM(limit=limit)
+            engine = helpers.train(colossal_lite, model, reduction, "auto", [])
+            engine.zero_grad()
+            losses.append(engine.execute_schedule(iter([(x, y)]))[2])
+        assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-6), reduction
+    launched({})
+    model = helpers.TinyLM(limit=2)
+    engine = helpers.train(colossal_lite, model, "mean", "auto", [(x, y)])  # settles on 2 pieces of 2
+    model.limit = 0
+    with pytest.raises(torch.OutOfMemoryError, match="even micro-batches of 1 sample run out of memory"):
+        engine.execute_schedule(iter([(x, y)]))
+    assert engine.auto_batcher.parts == 2
+
+
+DDP_BUFFERS_SCRIPT = r'''
+import json, sys
+import torch
+sys.path.insert(0, {folder!r})
+import colossal_lite
+from colossal_lite.core import global_context as gpc
+from late_oom import LateOOM
+colossal_lite.launch_from_torch(config={{}}, verbose=False)
+rank = gpc.get_global_rank()
+g = torch.Generator().manual_seed(rank)
+x, y = torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+def train(accumulation, limit, batches):
+    torch.manual_seed(0)
+    model = LateOOM(limit)
+    engine = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      lambda out, y: torch.nn.functional.cross_entropy(out["logits"], y),
+                                      config=dict(gradient_accumulation=accumulation), verbose=False)[0]
+    it = iter(batches)
+    for _ in batches:
+        engine.zero_grad()
+        engine.execute_schedule(it)
+        engine.step()
+    return model
+
+auto = train("auto", 8 if rank == 0 else 4, [(x, y), (x.flip(0), y.flip(0))])  # only rank 1 runs out
+fixed = train(2, 8, [(x[:4], y[:4]), (x[4:], y[4:]), (x.flip(0)[:4], y.flip(0)[:4]), (x.flip(0)[4:], y.flip(0)[4:])])
+json.dump(dict(calls=auto.calls, equal=all(torch.equal(a, b) for a, b in zip(auto.state_dict().values(),
+                                                                          fixed.state_dict().values())),
+               mean=auto.body[1].running_mean.tolist()), open({out!r} + f".{{rank}}", "w"))
+gpc.destroy()
+'''
+
+
+def test_two_ranks_under_ddp_with_buffers_split_together_when_one_runs_out(tmp_path):
+    """DDP brings the ranks' buffers together at a forward that follows a synced one; every piece of 'auto' runs
+    without gradient sync, so after the first try no forward brought them together again (BatchNorm's statistics
+    drifted apart), and a rank whose forward raised was left expecting that broadcast while the other went on to
+    the flag all-reduce: the run hung. Each try now starts with the broadcast on every rank."""
+    (tmp_path / "late_oom.py").write_text("import torch\n\n\n" + __import__("inspect").getsource(LateOOM))
+    script = tmp_path / "ddp_buffers_rank.py"
+    script.write_text(DDP_BUFFERS_SCRIPT.format(folder=str(tmp_path), out=str(tmp_path / "res")))
+    run_ranks(script, nproc=2, timeout=120)
+    r0, r1 = (json.loads((tmp_path / f"res.{r}").read_text()) for r in (0, 1))
+    assert r0["calls"] == [8, 4, 4, 4, 4] and r1["calls"] == [8, 4, 4, 4, 4]
+    # bit for bit as DDP's accumulation over the same pieces, buffers included (the ranks' own statistics differ
+    # after each forward, as under DDP: the broadcast is at the next one)
+    assert r0["equal"] and r1["equal"]
+    assert r0["mean"] != r1["mean"]
