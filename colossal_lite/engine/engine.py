@@ -367,9 +367,11 @@ class Engine:
         if check_window and not self.window.at_start:
             raise RuntimeError("a sharded checkpoint cannot be taken inside an accumulation window; save at an "
                                "optimizer step boundary")
-        # "accumulation": the open window, its progress and what the reduction gathered over it (token counts)
+        # "accumulation": the open window, its progress and what the reduction gathered over it (token counts);
+        # with gradient_accumulation='auto' the split the run settled on, so a resumed run starts with it
+        auto = {} if self.auto_batcher is None else {"auto_parts": self.auto_batcher.parts}
         return {"precision": self.precision.state_dict(),
-                "accumulation": {**self.window.state_dict(), **self.reduction.state_dict()},
+                "accumulation": {**self.window.state_dict(), **self.reduction.state_dict(), **auto},
                 "num_updates": self.num_updates}
 
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True):
@@ -381,6 +383,8 @@ class Engine:
         if "accumulation" in state:
             self.window.load_state_dict(state["accumulation"])
             self.reduction.load_state_dict(state["accumulation"])
+            if self.auto_batcher is not None:
+                self.auto_batcher.parts = int(state["accumulation"].get("auto_parts", self.auto_batcher.parts))
         if state.get("window_grads") is not None:
             self._load_window_grads(state["window_grads"])
         self.num_updates = int(state.get("num_updates", self.num_updates))

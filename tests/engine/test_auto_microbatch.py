@@ -353,3 +353,21 @@ def test_two_ranks_under_ddp_with_buffers_split_together_when_one_runs_out(tmp_p
     # after each forward, as under DDP: the broadcast is at the next one)
     assert r0["equal"] and r1["equal"]
     assert r0["mean"] != r1["mean"]
+
+
+def test_the_split_the_run_settled_on_is_in_the_checkpoint(launched, tmp_path):
+    """A resumed run starts with the split the run had settled on (it tried the first batch whole again, so its
+    parameters drifted from the uninterrupted run's, and a model whose forward had changed buffers before running
+    out of memory was left changed)."""
+    helpers = _token_model(tmp_path)
+    x, y = helpers.token_batches()
+    launched({})
+    engine = helpers.train(colossal_lite, helpers.TinyLM(limit=2), "mean", "auto", [(x, y)])
+    state = engine.state_dict()
+    assert state["accumulation"]["auto_parts"] == 2
+    resumed_model = helpers.TinyLM(limit=2)
+    resumed = helpers.train(colossal_lite, resumed_model, "mean", "auto", [])
+    resumed.load_state_dict(state)
+    resumed.zero_grad()
+    resumed.execute_schedule(iter([(x, y)]))
+    assert resumed_model.calls == [2, 2]  # no whole try first

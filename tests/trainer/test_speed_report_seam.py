@@ -118,3 +118,23 @@ def test_a_point_belongs_to_one_instrument_at_a_time():
     Trainer(engine).fit(loader, epochs=1, hooks=[probe, SpeedReportHook(peak_tflops=1.0, report=False,
                                                                         warmup_steps=2)], log_dir=False)
     assert probe.seen[:8] == ["load", "loaded", "timed", "loss"] * 2
+
+
+def test_a_sampled_step_calls_the_handlers_in_priority_order():
+    """On a sampled step the breakdown calls the handlers itself: it ran the report's own first, before hooks of a
+    lower priority number (at the epochs' ends and starts), where the docs say lower runs first."""
+    engine, loader = build()
+    order = []
+
+    class Spy(BaseHook):
+        def before_train_epoch(self, trainer):
+            order.append("spy")
+
+    class Speed(SpeedReportHook):
+        def before_train_epoch(self, trainer):
+            order.append("speed")
+            super().before_train_epoch(trainer)
+
+    Trainer(engine).fit(loader, epochs=3, hooks=[Speed(peak_tflops=1.0, report=False, breakdown_every=1, priority=50),
+                                                 Spy(priority=20)], log_dir=False)
+    assert order == ["spy", "speed"] * 3

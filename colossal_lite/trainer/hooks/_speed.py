@@ -161,30 +161,28 @@ class _Breakdown:
         return table
 
     def _build(self, point: str, handlers: Tuple[Callable, ...]) -> Tuple[Callable, ...]:
-        """One function for ``point``: this hook's own handlers, the others' each timed as its hook's, then the
-        phase that follows the point (none: the phase that ran before it goes on)."""
+        """One function for ``point``: the handlers in their priority order, the other hooks' each timed as its
+        hook's (this hook's own in the phase that was running), then the phase that follows the point (none: the
+        phase that ran before it goes on)."""
         timeline, hook = self.timeline, self.hook
         if point == "before_load":
             return (lambda: timeline.switch("h2d"),)
-        own = tuple(fn for fn in handlers if getattr(fn, "__self__", None) is hook)
-        if point == "after_backward":
-            own = (hook.sampled_backward,)
-        pairs = tuple((_hook_key(fn), fn) for fn in handlers if getattr(fn, "__self__", None) is not hook)
+        calls = tuple((None if getattr(fn, "__self__", None) is hook else _hook_key(fn), fn) for fn in handlers)
+        if point == "after_backward":  # (the tokens, and where exposed communication starts: first)
+            calls = ((None, hook.sampled_backward),) + tuple(call for call in calls if call[0] is not None)
         after = PHASE_AFTER.get(point)
         if point == "after_batch_loaded":
             after = _unit_phase(self.trainer) or after
         if point == "after_backward" and self.world > 1:  # gradient reduction (and clipping) over the ranks
             after = "communication"
-        if after is None and not pairs and not own:
+        if after is None and not calls:
             return ()
         switch = timeline.switch
 
         def dispatch(trainer, *args):
             back = timeline.phase
-            for fn in own:
-                fn(trainer, *args)
-            for key, fn in pairs:
-                switch(key)
+            for key, fn in calls:
+                switch(back if key is None else key)
                 fn(trainer, *args)
             switch(back if after is None else after)
         return (dispatch,)
