@@ -118,6 +118,17 @@ def fit(hooks, model=None, data=None, epochs=1, log_dir=False, count_flops=False
     return speed, trainer, engine
 
 
+def users_step(engine):
+    """A step of the user's own (``fit(step=...)``) that trains as the Trainer's own step does."""
+    def step(trainer, batch):
+        engine.zero_grad()
+        loss = engine.criterion(engine(batch[0]), batch[1])
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
 def first_cause(speed):
     return rank_causes(speed.figures)[0]
 
@@ -296,15 +307,9 @@ def test_tokens_per_second_with_the_per_token_reduction():
         speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS)
         trainer.fit(loader, epochs=1, hooks=[speed, LossHook()], log_dir=False)
 
-        def step(trainer, batch):  # the same training as a step of the user's own
-            engine.zero_grad()
-            loss = engine.criterion(engine(batch[0]), batch[1])
-            engine.backward(loss)
-            engine.step()
-            return loss
-        own = Trainer(engine)
+        own = Trainer(engine)  # the same training as a step of the user's own
         own_speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS)
-        own.fit(loader, epochs=1, hooks=[own_speed, LossHook()], log_dir=False, step=step)
+        own.fit(loader, epochs=1, hooks=[own_speed, LossHook()], log_dir=False, step=users_step(engine))
 
         # automatic micro-batching counts each batch's tokens as a fixed accumulation does (it counted none)
         auto_engine, auto_loader, _, _ = colossal_lite.initialize(
@@ -574,14 +579,7 @@ def test_a_step_of_the_users_own_counts_each_batchs_samples():
     the user's step does not load through), so samples/s and MFU were too low by the batch size; it cannot count
     the FLOPs of a step it does not run, and says so."""
     engine, loader = build()
-
-    def train(trainer, batch):
-        engine.zero_grad()
-        loss = engine.criterion(engine(batch[0]), batch[1])
-        engine.backward(loss)
-        engine.step()
-        return loss
-
+    train = users_step(engine)
     trainer = Trainer(engine)
     speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS)
     trainer.fit(loader, epochs=1, hooks=[speed], step=train, log_dir=False)
