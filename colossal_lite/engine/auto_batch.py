@@ -23,9 +23,9 @@ class AutoMicroBatcher:
         self.logger = logger
         self._reducer = AllReduceStrategy()
 
-    def run(self, engine, data, label, where=None, batch=None):
-        """Forward and backward of one batch (``data``, ``label``: its split; ``batch``: the batch itself, which a
-        model's own loss counts tokens in), split as often as needed; returns (output, loss)."""
+    def run(self, engine, batch, data, label, where=None):
+        """Forward and backward of one batch (``data``, ``label``: its split; ``batch`` itself, which a model's own
+        loss counts tokens in), split as often as needed; returns (output, loss)."""
         where = engine.enter_micro_batch(where)
         n = batch_len(data)
         started, before = self.parts, _TryState(engine.model)
@@ -35,7 +35,7 @@ class AutoMicroBatcher:
             # (every piece runs without gradient sync, which would otherwise stop it after the first try)
             engine.strategy.sync_buffers_at_next_forward(engine.model)
             try:
-                outputs, loss = self._forward_backward(engine, data, label, batch, parts, n, where)
+                outputs, loss = self._forward_backward(engine, batch, data, label, parts, n, where)
                 ok = True
             except torch.OutOfMemoryError:
                 ok, outputs, loss = False, [], None
@@ -51,16 +51,16 @@ class AutoMicroBatcher:
         return join_samples(outputs), loss
 
     @staticmethod
-    def _forward_backward(engine, data, label, batch, parts: int, n: int, where):
+    def _forward_backward(engine, batch, data, label, parts: int, n: int, where):
         """The batch in ``parts`` pieces, each weighed by the gradient reduction as its part of the micro-batch
         ``where`` (a mean's piece by its share of the samples, a sum's or a token mean's as it is);
         -> (outputs, the batch's loss as the reduction joins its pieces' losses)."""
         outputs, losses = [], []
-        batches = split_samples(batch, parts, n) if batch is not None else [None] * parts
-        for d, lab, b in zip(split_samples(data, parts, n), split_samples(label, parts, n), batches):
+        pieces = zip(split_samples(batch, parts, n), split_samples(data, parts, n), split_samples(label, parts, n))
+        for b, d, lab in pieces:
             with engine.strategy.no_sync(engine.model):
                 out = call_with(engine.run_model, d)  # the pieces are one micro-batch, entered above
-                loss = engine.compute_loss(out, lab, d if b is None else b)
+                loss = engine.compute_loss(out, lab, b)
                 if not isinstance(loss, torch.Tensor):
                     raise not_a_loss(loss, engine.criterion.wrapped, engine.reduction.name)
                 engine.loss_guard.watch(loss)
@@ -90,6 +90,8 @@ class _TryState:
 
     def __init__(self, model):
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        # torch's generators only, which a forward draws from; the checkpoints' capture_rng_state makes plain copies
+        # of every generator of the process, a cost this mode would pay at every batch
         self.cpu_rng = torch.random.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 

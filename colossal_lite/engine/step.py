@@ -175,7 +175,7 @@ class AutoMicroBatchStep(TrainStep):
         self.load(batch)
         for fn in self.events.before_forward:
             fn(owner)
-        rec.output, rec.loss = engine.auto_batcher.run(engine, rec.data, rec.label, where, rec.batch)
+        rec.output, rec.loss = engine.auto_batcher.run(engine, rec.batch, rec.data, rec.label, where)
         for fn in self.events.after_backward:
             fn(owner)
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ..core.dist import all_gather_rows, world_size
 from ..core.tree import iter_leaves, map_leaves
-from ..engine.batch import call_with
+from ..engine.batch import call_with, join_samples
 from ..utils.data import DataParallelSampler
 
 __all__ = ["is_loader", "predict_loader"]
@@ -63,16 +63,11 @@ def _concat(outputs: List[Any]) -> Any:
     """The per-batch outputs joined along the first dimension, leaf by leaf (a tensor, or a nest of them)."""
     if not outputs:
         raise ValueError("predict got an empty loader: there are no outputs to return")
-    columns = zip(*(list(iter_leaves(out)) for out in outputs))
-    joined = iter([_cat_leaf(list(column)) for column in columns])
-    return map_leaves(lambda _: next(joined), outputs[0])
-
-
-def _cat_leaf(column: List[Any]) -> torch.Tensor:
-    if not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in column):
-        raise TypeError("predict over a loader joins the outputs along their first (batch) dimension, so every "
-                        f"output must be a tensor with one, or a list/tuple/dict of them; got {type(column[0])}")
-    return torch.cat(column)
+    for leaf in (leaf for out in outputs for leaf in iter_leaves(out)):
+        if not (isinstance(leaf, torch.Tensor) and leaf.dim() > 0):
+            raise TypeError("predict over a loader joins the outputs along their first (batch) dimension, so every "
+                            f"output must be a tensor with one, or a list/tuple/dict of them; got {type(leaf)}")
+    return join_samples(outputs)
 
 
 def _in_dataset_order(output: Any, indices: List[int]) -> Any:

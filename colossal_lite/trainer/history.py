@@ -34,14 +34,14 @@ def is_step_name(name: str) -> bool:
 
 #: The record names of values measured with a clock, and of what is computed from them (``fnmatch`` patterns,
 #: a per-step ``_step`` twin included): a save's seconds (the checkpoint hooks), ``ThroughputHook``'s samples per
-#: second, ``SpeedReportHook``'s phase
-#: times, throughput, MFU and the device peak it divides by (measured by a matrix product on a CPU), and the
-#: counts of the steps those figures cover (a resumed run starts them afresh, after a warm-up step of its own).
+#: second, ``SpeedReportHook``'s phase times, throughput, MFU and the device peak it divides by (measured by a
+#: matrix product on a CPU), and the counts and seconds of the steps those figures cover (a resumed run starts
+#: them afresh, after a warm-up step of its own).
 #: They differ between two runs of the same training, and between ranks. A hook that records such a value adds
 #: its name here.
 MEASURED_NAMES = ("checkpoint/*", "*/time/*", "train/time_after_epochs/*", "*/Throughput", "train/samples_per_s*",
-                  "train/tokens_per_s*", "train/mfu", "train/speed/peak_tflops", "train/speed/steps", "train/speed/timed_steps",
-                  "train/speed/micro_batches", "train/speed/seconds")
+                  "train/tokens_per_s*", "train/mfu", "train/speed/peak_tflops", "train/speed/steps",
+                  "train/speed/timed_steps", "train/speed/micro_batches", "train/speed/seconds")
 
 
 def is_measured(name: str) -> bool:

@@ -214,13 +214,16 @@ def figures_from_records(records: Iterable[Mapping]) -> SpeedFigures:
             "the run recorded per-step throughput but stopped before an epoch's end recorded its figures (a crash "
             "records none)" if stopped else "run fit with hooks=[SpeedReportHook()] to record one"))
     peak = last.get("train/speed/peak_tflops")
-    rate = _whole_run_rates(columns)
+    seconds_of = dict(zip(*columns.get("train/speed/seconds", ([], []))))
+
+    def rate(name: str) -> Optional[float]:
+        return _whole_run_rate(columns.get(name, ([], [])), seconds_of, last.get(name))
+
     return SpeedFigures(
         seconds=seconds, steps=int(sums.get("train/speed/steps", 0)),
         micro_batches=int(sums.get("train/speed/micro_batches", 0)),
         world_size=int(last.get("train/speed/world_size", 1)),
-        samples_per_s=rate("train/samples_per_s", last), tokens_per_s=rate("train/tokens_per_s", last),
-        mfu=rate("train/mfu", last),
+        samples_per_s=rate("train/samples_per_s"), tokens_per_s=rate("train/tokens_per_s"), mfu=rate("train/mfu"),
         peak_note="" if peak is None else peak_text(peak * 1e12),
         ops_per_micro_batch=last.get("train/speed/ops_per_micro_batch"),
         flops_per_micro_batch=last.get("train/speed/flops_per_micro_batch"),
@@ -228,16 +231,11 @@ def figures_from_records(records: Iterable[Mapping]) -> SpeedFigures:
         timed_steps=int(sums["train/speed/timed_steps"]) if "train/speed/timed_steps" in sums else None)
 
 
-def _whole_run_rates(columns):
-    """``rate(name, last)``: a per-epoch rate (samples/s, tokens/s, MFU) over the whole run, each epoch weighed by
-    the seconds its steps took (``train/speed/seconds``); the last epoch's for a file recorded without them."""
-    seconds = dict(zip(*columns.get("train/speed/seconds", ([], []))))
-
-    def rate(name: str, last: Mapping[str, float]) -> Optional[float]:
-        steps, values = columns.get(name, ([], []))
-        measured = [(step, value) for step, value in zip(steps, values) if value == value]  # (NaN: not measured)
-        if not measured or any(seconds.get(step, 0) <= 0 for step, _ in measured):
-            return last.get(name)
-        return sum(value * seconds[step] for step, value in measured) / sum(seconds[step] for step, _ in measured)
-
-    return rate
+def _whole_run_rate(column, seconds_of: Mapping[int, float], last: Optional[float]) -> Optional[float]:
+    """A per-epoch rate (samples/s, tokens/s, MFU; its ``(steps, values)``) over the whole run, each epoch weighed
+    by the seconds its steps took (``seconds_of``: ``train/speed/seconds`` by step); ``last`` (the last epoch's)
+    for a file recorded without them."""
+    measured = [(step, value) for step, value in zip(*column) if value == value]  # (NaN: not measured)
+    if not measured or any(seconds_of.get(step, 0) <= 0 for step, _ in measured):
+        return last
+    return sum(value * seconds_of[step] for step, value in measured) / sum(seconds_of[step] for step, _ in measured)
