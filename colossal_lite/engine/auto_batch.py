@@ -5,7 +5,8 @@ The batch is retried whole with twice as many micro-batches; all ranks agree on 
 all-reduced once per batch after every rank succeeded, so a rank that ran out of memory
 never leaves another waiting inside a collective. What a failed try changed (gradients, token
 counts, buffers, random generators) is put back before the retry, and the next batch starts
-with the split the last one needed.
+with the split the last one needed. An evaluation batch that runs out of memory is run in pieces
+the same way (its forward only; evaluation keeps a split of its own).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .strategy import AllReduceStrategy
 class AutoMicroBatcher:
     def __init__(self, logger=None):
         self.parts = 1
+        self.eval_parts = 1  # evaluation's batches (often larger than training's: no gradients kept)
         self.logger = logger
         self._reducer = AllReduceStrategy()
 
@@ -75,12 +77,63 @@ class AutoMicroBatcher:
         engine.reduction.reset()  # (the failed try's token counts: each batch is a window of its own)
         if parts >= n:
             self.parts = started  # (the next batch starts where this one did, not at pieces of one sample)
-            raise torch.OutOfMemoryError(f"gradient_accumulation='auto': even micro-batches of 1 sample run out of "
-                                         f"memory on some rank (batch of {n}); reduce the model or the sequence size")
-        self.parts = parts * 2
+            raise _unsplittable("batch", n)
+        self.parts = self._more_parts(parts, n, "batch")
+
+    def evaluate(self, engine, batch, data, label, with_loss: bool):
+        """Evaluation's forward of one placed batch (``data``, ``label``: its split), in as many pieces as memory
+        needs, all ranks agreeing (a sharded model gathers its weights at every forward) -> (output, loss).
+
+        The output is the pieces' outputs joined. The loss: the criterion's on the joined output, as for the batch
+        whole (a loop that evaluates in chunks computes it so); a model's own loss joined from its pieces' by the
+        gradient reduction (a mean's weighed by samples, a sum's added, a token mean's by the tokens
+        ``ModelLoss(num_tokens=...)`` counts)."""
+        n = batch_len(data)
+        started = self.eval_parts
+        while True:
+            parts = min(self.eval_parts, n)
+            try:
+                outputs = [call_with(engine.run_model, d) for d in split_samples(data, parts, n)]
+                output = join_samples(outputs)
+                loss = self._evaluation_loss(engine, batch, label, outputs, output, parts, n) if with_loss else None
+                ok = True
+            except torch.OutOfMemoryError:
+                ok, outputs, output, loss = False, None, None, None
+            if not ok and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if all_agree(ok, engine.device):
+                return output, loss
+            if parts >= n:
+                self.eval_parts = started
+                raise _unsplittable("evaluation batch", n)
+            self.eval_parts = self._more_parts(parts, n, "evaluation batch")
+
+    @staticmethod
+    def _evaluation_loss(engine, batch, label, outputs, output, parts: int, n: int):
+        """The loss of an evaluation batch run in ``parts`` pieces (``outputs``, joined: ``output``)."""
+        model_loss = engine.model_loss
+        if model_loss is None or parts == 1:
+            return engine.compute_loss(output, label, batch, required=False)
+        losses = [model_loss.find(out) for out in outputs]
+        if any(loss is None for loss in losses):
+            return None
+        counts_tokens = engine.reduction.name == "per-token-mean" and model_loss.num_tokens is not None
+        weights = [torch.as_tensor(model_loss.count_tokens(b) if counts_tokens else batch_len(b) / n,
+                                   dtype=torch.float32, device=loss.device)
+                   for b, loss in zip(split_samples(batch, parts, n), losses)]
+        return engine.reduction.joined_loss(list(zip(losses, weights)))
+
+    def _more_parts(self, parts: int, n: int, what: str) -> int:
+        """The split to retry a ``what`` of ``n`` samples in, after ``parts`` pieces ran out of memory on some rank."""
         if self.logger is not None:
-            self.logger.info(f"out of memory with the batch of {n} in {parts} micro-batch(es) on some rank; "
-                             f"retrying the same batch in {min(self.parts, n)}", ranks=[0])
+            self.logger.info(f"out of memory with the {what} of {n} in {parts} micro-batch(es) on some rank; "
+                             f"retrying the same {what} in {min(parts * 2, n)}", ranks=[0])
+        return parts * 2
+
+
+def _unsplittable(what: str, n: int) -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError(f"gradient_accumulation='auto': even micro-batches of 1 sample run out of memory on "
+                                  f"some rank ({what} of {n}); reduce the model or the sequence size")
 
 
 class _TryState:

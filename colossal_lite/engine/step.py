@@ -129,10 +129,15 @@ class TrainStep:
         rec, engine = self.record, self.engine
         batch = real_rows(batch, keep)
         rec.batch, rec.data, rec.label = engine.schedule.place(batch, engine.device)
-        rec.output = call_with(self.forward, rec.data)
-        rec.loss = self.loss(rec.output, rec.label, rec.batch, required=False) if with_loss else None
+        rec.output, rec.loss = self.evaluate(rec.batch, rec.data, rec.label, with_loss)
         if keep == 0 and drop_all_rows(rec):
             engine.schedule.current_batch = rec.batch
+
+
+    def evaluate(self, batch: Any, data: Any, label: Any, with_loss: bool):
+        """Evaluation's forward and loss of a placed batch (no loss: None) -> (output, loss)."""
+        output = call_with(self.forward, data)
+        return output, (self.loss(output, label, batch, required=False) if with_loss else None)
 
 
 def real_rows(batch: Any, keep: Optional[int]) -> Any:
@@ -158,7 +163,8 @@ def drop_all_rows(rec: Any) -> bool:
 
 class AutoMicroBatchStep(TrainStep):
     """``gradient_accumulation='auto'``: forward, loss and backward of a batch as one unit that the engine's
-    ``AutoMicroBatcher`` retries in more pieces when it runs out of memory; no handler can act inside it."""
+    ``AutoMicroBatcher`` retries in more pieces when it runs out of memory; no handler can act inside it.
+    An evaluation batch's forward is split the same way."""
 
     INSIDE = ("after_forward", "after_loss", "before_backward")
 
@@ -178,6 +184,9 @@ class AutoMicroBatchStep(TrainStep):
         rec.output, rec.loss = engine.auto_batcher.run(engine, rec.batch, rec.data, rec.label, where)
         for fn in self.events.after_backward:
             fn(owner)
+
+    def evaluate(self, batch, data, label, with_loss):
+        return self.engine.auto_batcher.evaluate(self.engine, batch, data, label, with_loss)
 
 
 def _owner_name(fn) -> str:

@@ -72,8 +72,11 @@ for _ in range(3):
     half = slice(rank * 4, rank * 4 + 4)
     engine.execute_schedule(iter([(x[half], y[half])]))
     engine.step()
-json.dump(dict(parts=engine.auto_batcher.parts, params=[p.tolist() for p in model.inner.parameters()]),
-          open({out!r} + f".{{rank}}", "w"))
+model.calls.clear()  # an evaluation batch of 4 per rank: only rank 1 runs out again, and both split it
+engine.eval()
+engine.execute_schedule(iter([(x[half], y[half])]), forward_only=True)
+json.dump(dict(parts=engine.auto_batcher.parts, params=[p.tolist() for p in model.inner.parameters()],
+               eval_calls=model.calls), open({out!r} + f".{{rank}}", "w"))
 gpc.destroy()
 '''
 
@@ -87,6 +90,7 @@ def test_two_ranks_agree_on_the_split(tmp_path):
     run_ranks(script, nproc=2, timeout=180)
     r0, r1 = (json.loads((tmp_path / f"res.{r}").read_text()) for r in (0, 1))
     assert r0["parts"] == r1["parts"] == 2  # rank 1's limit of 2 forced both ranks to 2 parts of 2
+    assert r0["eval_calls"] == r1["eval_calls"] == [4, 2, 2]
     ref = make_model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for x, y in make_batches(3, b=8):
@@ -371,3 +375,86 @@ def test_the_split_the_run_settled_on_is_in_the_checkpoint(launched, tmp_path):
     resumed.zero_grad()
     resumed.execute_schedule(iter([(x, y)]))
     assert resumed_model.calls == [2, 2]  # no whole try first
+
+
+# -- evaluation: a batch that runs out of memory is run in pieces too ------------------------------------------
+def test_an_evaluation_batch_that_runs_out_is_split_and_reads_as_a_loop_that_evaluates_in_chunks(launched):
+    """Evaluation batches are often larger than training's (no gradients are kept); under 'auto' one that ran out
+    of memory stopped the run. Its forward now runs in pieces: the output is the chunks' outputs joined and the
+    loss the criterion's on them, bit for bit what a loop that evaluates in chunks computes, and the metrics a
+    user reads are the whole batch's. Evaluation keeps a split of its own: training's is left as it was."""
+    from colossal_lite.nn.metric import Accuracy
+    from colossal_lite.trainer import Trainer
+    from colossal_lite.trainer.hooks import AccuracyHook, LossHook
+
+    x, y = make_batches(1, b=8)[0]
+    model = OOMAbove(make_model(), limit=3)
+    engine, _ = train(model, dict(gradient_accumulation="auto"), make_batches(2, b=2), launched)
+    model.calls.clear()
+    engine.eval()
+    output, label, loss = engine.execute_schedule(iter([(x, y)]), forward_only=True)
+    assert model.calls == [8, 4, 2, 2, 2, 2]  # whole and halves fail; quarters run
+    assert (engine.auto_batcher.parts, engine.auto_batcher.eval_parts) == (1, 4)
+    with torch.no_grad():
+        chunked = torch.cat([model.inner(x[i:i + 2]) for i in range(0, 8, 2)])
+        assert torch.equal(output, chunked) and label is y
+        assert torch.equal(loss, torch.nn.CrossEntropyLoss()(chunked, y))
+
+    model.calls.clear()
+    trainer = Trainer(engine)
+    batches = make_batches(3, b=8, seed=5)
+    metrics = trainer.evaluate(batches, hooks=[LossHook(), AccuracyHook(Accuracy())])
+    assert model.calls == [2] * 12  # every later evaluation batch starts with the split the last one needed
+    with torch.no_grad():
+        outs = [torch.cat([model.inner(bx[i:i + 2]) for i in range(0, 8, 2)]) for bx, _ in batches]
+    correct = sum(int((out.argmax(1) == by).sum()) for out, (_, by) in zip(outs, batches))
+    assert metrics["Accuracy"] == pytest.approx(correct / 24, abs=1e-7)
+    losses = [float(torch.nn.CrossEntropyLoss()(out, by)) for out, (_, by) in zip(outs, batches)]
+    assert metrics["Loss"] == pytest.approx(sum(losses) / 3, rel=1e-6)
+
+    model.limit = 0
+    with pytest.raises(torch.OutOfMemoryError, match=r"even micro-batches of 1 sample .*evaluation batch of 8"):
+        engine.execute_schedule(iter([(x, y)]), forward_only=True)
+    assert engine.auto_batcher.eval_parts == 4  # the next evaluation batch starts where this one did
+
+
+class OwnLossLM(torch.nn.Module):
+    """A language model that computes its own per-token mean loss (as Hugging Face models do); a forward of more
+    than ``limit`` sequences runs out of memory."""
+
+    def __init__(self, limit):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head, self.limit = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11), limit
+
+    def forward(self, input_ids, labels):
+        if input_ids.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("injected")
+        logits = self.head(self.emb(input_ids))
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()),
+                "logits": logits}
+
+
+def test_a_split_evaluation_batch_joins_a_models_own_loss_as_the_reduction_does(launched):
+    """A model's own per-token mean loss, evaluated in pieces holding different numbers of real tokens: the loss
+    read is the whole batch's token mean (the pieces' means weighed by their tokens), not their plain mean."""
+    g = torch.Generator().manual_seed(3)
+    ids, labels = torch.randint(0, 11, (4, 6), generator=g), torch.randint(0, 11, (4, 6), generator=g)
+    labels[0, 1:] = labels[1, 2:] = -100  # the first half holds 3 real tokens, the second 12
+    batch = {"input_ids": ids, "labels": labels}
+    losses = []
+    for limit in (4, 1):
+        launched({})
+        model = OwnLossLM(limit)
+        engine = colossal_lite.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1),
+            colossal_lite.engine.ModelLoss(num_tokens=lambda b: (b["labels"] != -100).sum()),
+            config=dict(gradient_accumulation="auto", grad_reduction="per-token-mean"), verbose=False)[0]
+        engine.eval()
+        losses.append(engine.execute_schedule(iter([batch]), forward_only=True)[2])
+    assert engine.auto_batcher.eval_parts == 4
+    assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-6)
+    model.limit = 4
+    with torch.no_grad():
+        halves = [model(ids[i:i + 2], labels[i:i + 2])["loss"] for i in (0, 2)]
+    assert abs((halves[0] + halves[1]).item() / 2 - losses[0].item()) > 0.01  # a plain mean would be told apart
