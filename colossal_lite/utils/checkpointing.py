@@ -42,7 +42,7 @@ from ..checkpoint.merged import (
     parameter_names,
 )
 from ..checkpoint.model_state import check_model_state, is_sharded, load_model_state, unwrap_module
-from ..core.dist import is_rank_0
+from ..core.dist import barrier, is_rank_0
 from ..core.global_context import global_context as gpc
 
 __all__ = ["load_model_state", "check_model_state", "save_checkpoint", "load_checkpoint", "load_scheduler_state",
@@ -87,7 +87,8 @@ def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torc
     leaves the previous ``file`` intact. The model may be DDP-wrapped or not: the weights are stored
     without the ``module.`` prefix. ``kwargs`` are stored too and must be tensors or plain values.
     The file is a plain dict, readable with ``torch.load(file, weights_only=True)``. Returns the
-    path on rank 0, ``None`` elsewhere; call ``colossal_lite.utils.barrier()`` before other ranks read it.
+    path on rank 0, ``None`` elsewhere. Not a collective (a script may call it on rank 0 alone); ``load_checkpoint``
+    waits for every rank, so a file saved and then loaded is read once written.
     """
     _check_extra(kwargs)
     if not is_rank_0():
@@ -203,7 +204,8 @@ def load_checkpoint(file, model: nn.Module, optimizer: Optional[torch.optim.Opti
                     strict: bool = True) -> int:
     """Load a ``save_checkpoint`` file into ``model`` (DDP-wrapped, ZeRO-sharded or not) and, when given,
     ``optimizer`` and ``lr_scheduler``; returns the stored epoch (-1 if the file has none). Every rank calls it
-    and reads ``file``.
+    and reads ``file``, after waiting for the others: a file that rank 0 is still writing (``save_checkpoint``
+    returns at once on the other ranks) is read once written, not in its earlier version or missing.
 
     With ``optimizer`` given, the engine that owns these objects (see ``save_checkpoint``) gets its saved state
     back: update count, loss scaler, open window. A file written before save_checkpoint stored that state gives
@@ -220,6 +222,7 @@ def load_checkpoint(file, model: nn.Module, optimizer: Optional[torch.optim.Opti
     listing the missing and unexpected keys and the shape mismatches (missing/unexpected keys are
     allowed with ``strict=False``).
     """
+    barrier()  # (legacy scripts load right after saving, with no barrier of their own)
     path = Path(file)
     if path.is_dir() or _is_pointer(path):
         folder, state = _folder_state(path)

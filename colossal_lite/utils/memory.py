@@ -5,6 +5,8 @@ from typing import Any
 
 import torch
 
+from ..logging import get_dist_logger
+
 __all__ = ["report_memory_usage"]
 
 _MB = 1024 * 1024
@@ -37,6 +39,7 @@ def _cpu_report() -> str:
 
 def report_memory_usage(message: str, logger: Any = None, report_cpu: bool = False) -> str:
     """Log and return ``"{message}: GPU: ... ; CPU: ..."`` with sizes in MB (GPU peaks are reset afterwards).
+    Without ``logger``, the library's logger writes it (on rank 0, as legacy Colossal-AI's did).
 
     The GPU part appears when CUDA is available; the CPU part when ``report_cpu`` is True or there is no CUDA.
     """
@@ -47,8 +50,5 @@ def report_memory_usage(message: str, logger: Any = None, report_cpu: bool = Fal
     if report_cpu or not has_cuda:
         parts.append(_cpu_report())
     msg = f"{message}: " + "; ".join(parts)
-    if logger is not None:
-        logger.info(msg)
-    else:
-        print(msg)
+    (logger if logger is not None else get_dist_logger()).info(msg)  # (on rank 0 by default, as other output)
     return msg

@@ -277,6 +277,18 @@ _TWO_RANKS = textwrap.dedent("""
     same_opt = all(torch.equal(a, opt.state[p]["momentum_buffer"]) for a, p in zip(bufs, ddp.parameters()))
     print(f"rank{r} legacy wrote={written is not None} epoch={epoch} same_weights={same} same_optimizer={same_opt}\\n",
           end="", flush=True)
+    # a legacy script saves and then loads with no barrier of its own, rank 0 writing the file a while after rank 1
+    # returned from save_checkpoint: every rank still reads the new file (rank 1 read the old one and trained on)
+    import time
+    with torch.no_grad():
+        ddp.module.weight.fill_(8.0)
+    if r == 0:
+        time.sleep(1.0)
+    save_checkpoint(d / "legacy.pt", 8, ddp)
+    epoch = load_checkpoint(d / "legacy.pt", plain)
+    print(f"rank{r} saved then loaded epoch={epoch} weight={plain.weight[0, 0].item()}\\n", end="", flush=True)
+    from colossal_lite.utils import report_memory_usage
+    report_memory_usage("legacy memory report")  # on rank 0 only, as the library's other output
     dist.destroy_process_group()
 """)
 
@@ -293,6 +305,8 @@ def test_two_ranks_write_shared_state_once_and_their_own_state_each(tmp_path):
                 in out), out
         assert f"rank{r} after ['epoch0-step5', 'last'] last=epoch0-step5" in out, out
         assert f"rank{r} legacy wrote={r == 0} epoch=7 same_weights=True same_optimizer=True" in out, out
+        assert f"rank{r} saved then loaded epoch=8 weight=8.0" in out, out
+    assert out.count("legacy memory report: CPU") == 1, out
     assert "rank1 error UnsupportedValueError: cannot store rank_state['fn']" in out, out
     assert (f"rank0 error CheckpointWriteError: checkpoint {d / 'epoch0-step6'} was not written: rank 1 failed: "
             f"UnsupportedValueError: cannot store rank_state['fn']") in out, out

@@ -36,7 +36,7 @@ def test_report_cpu_has_positive_rss():
 @pytest.mark.gpu
 def test_gpu_part_only_with_cuda(capsys):
     msg = report_memory_usage("probe")
-    assert capsys.readouterr().out.strip() == msg
+    assert capsys.readouterr().out.strip() == f"colossal_lite - INFO: {msg}"  # the library's logger, on rank 0
     if torch.cuda.is_available():
         assert re.search(r"GPU: allocated [0-9.]+ MB, max allocated [0-9.]+ MB, cached: [0-9.]+ MB, max cached: [0-9.]+ MB", msg)
     else:
