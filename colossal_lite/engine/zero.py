@@ -134,6 +134,16 @@ class ZeroStage1Strategy(DDPStrategy):
         optimizer.consolidate_state_dict(to=0)
         return broadcast_object(optimizer.state_dict() if is_rank_0() else None)
 
+    def load_optimizer_state_dict(self, model, optimizer, state: dict):
+        """The whole state into the ZeRO optimizer (each rank keeps its shard's), the user's group dicts still the
+        ones it reads: torch's ``load_state_dict`` puts new group dicts in place, which an LR scheduler on the user's
+        optimizer no longer writes (the learning rate stayed at the checkpoint's from the resume on)."""
+        shared = optimizer.param_groups
+        super().load_optimizer_state_dict(model, optimizer, state)
+        for mine, loaded in zip(shared, optimizer.param_groups):
+            mine.update({key: value for key, value in loaded.items() if key != "params"})
+        optimizer.param_groups = shared
+
 
 class FSDPStrategy(SingleProcess):
     """FSDP2: gradients and optimizer state sharded (stage 2), parameters too (stage 3)."""

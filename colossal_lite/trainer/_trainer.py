@@ -844,7 +844,8 @@ class Trainer:
 
     def _all_finite(self, losses: List[torch.Tensor]) -> bool:
         """The losses and every parameter are finite on every rank (one all-reduce: all ranks give one verdict)."""
-        params = list(self._engine.unwrapped_model.parameters())
+        # each rank checks its own shard of a sharded parameter (a ZeRO 2/3 DTensor, which no collective takes)
+        params = [p.to_local() if hasattr(p, "to_local") else p for p in self._engine.unwrapped_model.parameters()]
         checks = [torch.isfinite(x).all() for x in losses] + [torch.isfinite(p.detach()).all() for p in params]
         flag = torch.stack(checks).all().to(torch.float32).reshape(1).to(self._engine.device)
         return bool(all_reduce_min_(flag).item() > 0)

@@ -91,9 +91,15 @@ def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torc
     waits for every rank, so a file saved and then loaded is read once written.
     """
     _check_extra(kwargs)
+    engine = owning_engine(model, optimizer, lr_scheduler)
+    if optimizer is not None and engine is not None and _optimizer_sharded_by_zero_1(engine):
+        raise ValueError(
+            "save_checkpoint: under zero=dict(stage=1) the optimizer state is sharded over the ranks and "
+            "save_checkpoint writes on rank 0 alone, so it cannot gather it (the state it wrote would be empty). Fix: "
+            "save the weights only, save_checkpoint(file, epoch, model), as legacy Colossal-AI did, or let fit save "
+            "with SaveCheckpointHook(interval, 'ck.pt'), which gathers the whole state on every rank")
     if not is_rank_0():
         return None
-    engine = owning_engine(model, optimizer, lr_scheduler)
     return write_checkpoint_file(file, epoch, unwrap_module(model).state_dict(),
                                  None if optimizer is None else optimizer.state_dict(),
                                  None if lr_scheduler is None else lr_scheduler.state_dict(),
@@ -115,6 +121,12 @@ def owning_engine(model: Optional[nn.Module], optimizer=None, lr_scheduler=None)
     module = None if model is None else unwrap_module(model)
     return next((candidate for candidate in engines
                  if module is not None and unwrap_module(candidate.model) is module), None)
+
+
+def _optimizer_sharded_by_zero_1(engine) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(engine.optimizer, ZeroRedundancyOptimizer)
 
 
 def engine_resume_state(engine) -> Dict[str, Any]:
@@ -270,6 +282,7 @@ def load_checkpoint_state(state, path: Path, model: nn.Module, optimizer=None, l
         load_model_state(model, state["model"], strict=strict)
     except RuntimeError as e:
         raise RuntimeError(f"cannot load {path} into the model: {e}") from None
+    owner = engine or owning_engine(model, optimizer, lr_scheduler)
     for name, target in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
         if target is None:
             continue
@@ -278,7 +291,12 @@ def load_checkpoint_state(state, path: Path, model: nn.Module, optimizer=None, l
                           f"the {name} was left as it is", stacklevel=3)
             continue
         try:
-            if name == "optimizer":
+            if name == "optimizer" and owner is not None and _optimizer_sharded_by_zero_1(owner):
+                # the state belongs in the engine's ZeroRedundancyOptimizer (each rank keeps its shard's), not in
+                # the optimizer the script built, which it steps no more
+                owner.strategy.load_optimizer_state_dict(owner.model, owner.optimizer,
+                                                         optimizer_state_by_position(state[name]))
+            elif name == "optimizer":
                 _load_optimizer(model, target, state[name])
             else:
                 load_scheduler_state(target, state[name])
@@ -286,7 +304,7 @@ def load_checkpoint_state(state, path: Path, model: nn.Module, optimizer=None, l
             raise ValueError(f"cannot load the {name} state of {path} into this {name} "
                              f"({type(target).__name__}): {e}") from e
     if optimizer is not None:  # weights alone (finetuning) leave the engine's count and loss scale as they are
-        _load_engine_state(state, path, engine or owning_engine(model, optimizer, lr_scheduler))
+        _load_engine_state(state, path, owner)
     epoch = state.get("epoch", -1)
     return int(epoch) if isinstance(epoch, (int, float)) else -1
 

@@ -1,0 +1,82 @@
+"""ZeRO stage 1's optimizer state through checkpoints, with an LR scheduler on the optimizer the script built.
+
+Stage 1 steps a ``ZeroRedundancyOptimizer`` that shares the script's group dicts, so that a scheduler on the script's
+optimizer drives it. Loading a state put new group dicts in place: after a resume the scheduler went on stepping
+groups the ZeRO optimizer no longer read, and training ran at the checkpoint's learning rate (found by a probe).
+One process runs stage 1 as several do (torch's optimizer over a one-rank group), which is what this is about.
+"""
+import pytest
+import torch
+from torch import nn
+
+import colossal_lite
+from colossal_lite.trainer import Trainer
+from colossal_lite.trainer.hooks import LossHook, LRSchedulerHook, SaveCheckpointHook
+from colossal_lite.utils import load_checkpoint, save_checkpoint
+
+G = torch.Generator().manual_seed(0)
+BATCHES = [(torch.randn(4, 4, generator=G), torch.randint(0, 2, (4,), generator=G)) for _ in range(6)]
+
+
+def build(stage):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # a different LR at every step
+    config = dict(zero=dict(stage=stage)) if stage else {}
+    engine, _, _, sched = colossal_lite.initialize(model, opt, nn.CrossEntropyLoss(), lr_scheduler=sched,
+                                                   config=config, verbose=False)
+    return model, opt, engine, sched
+
+
+def fit(max_steps, folder, resume):
+    model, opt, engine, _ = build(1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    history = Trainer(engine).fit(BATCHES, max_steps=max_steps, log_dir=False,
+                                  hooks=[LossHook(), LRSchedulerHook(sched, by_epoch=False), SaveCheckpointHook(1, folder)],
+                                  resume_from="auto" if resume else None)
+    return model, history
+
+
+def test_a_resumed_fit_under_stage_1_follows_the_schedule_as_the_uninterrupted_one(launched, tmp_path):
+    launched({})
+    full, full_history = fit(6, tmp_path / "full", False)
+    fit(2, tmp_path / "cut", False)
+    resumed, resumed_history = fit(6, tmp_path / "cut", True)
+    assert resumed_history["lr"] == full_history["lr"] == [1.0 / 2 ** i for i in range(6)]
+    for a, b in zip(resumed.parameters(), full.parameters()):
+        assert torch.equal(a, b)
+
+
+def train(engine, sched, batches):
+    for x, y in batches:
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()
+        sched.step()
+
+
+@pytest.mark.parametrize("passed", ("scripts_optimizer", "engines_optimizer"))
+def test_the_legacy_load_puts_the_state_in_the_zero_optimizer_and_the_legacy_save_refuses_what_it_cannot_gather(
+        launched, tmp_path, passed):
+    """``load_checkpoint`` of a file saved by an unsharded run continues under stage 1 bit for bit, with the
+    script's optimizer or the engine's (the state went into the script's optimizer, which no longer steps, and
+    the schedule was lost as above). ``save_checkpoint`` writes on rank 0 alone, so under stage 1 it cannot gather
+    the optimizer state: it refuses, naming the fixes, where it wrote an empty one."""
+    launched({})
+    model, _, engine, sched = build(1)
+    train(engine, sched, BATCHES)
+    reference = [p.detach().clone() for p in model.parameters()]
+    model, opt, engine, sched = build(0)
+    train(engine, sched, BATCHES[:3])
+    save_checkpoint(tmp_path / "ck.pt", 0, model, opt, sched)
+    model, opt, engine, sched = build(1)
+    with pytest.raises(ValueError, match=r"zero=dict\(stage=1\).*save_checkpoint\(file, epoch, model\).*"
+                                         r"SaveCheckpointHook"):
+        save_checkpoint(tmp_path / "other.pt", 0, model, opt, sched)
+    assert not (tmp_path / "other.pt").exists()
+    load_checkpoint(tmp_path / "ck.pt", model, opt if passed == "scripts_optimizer" else engine.optimizer, sched)
+    train(engine, sched, BATCHES[3:])
+    assert engine.optimizer.param_groups[0]["lr"] == 1.0 / 2 ** 6
+    for a, b in zip(model.parameters(), reference):
+        assert torch.equal(a, b)
