@@ -7,6 +7,7 @@ Layout of ``checkpoint_dir``::
         rank0.pt, rank1.pt   per-rank state (RNG, data position), one file per rank
         sharded/             torch.distributed.checkpoint shards of a ZeRO stage 2/3 run (``sharded.py``)
         meta.json            epoch, step, metrics, config summary, versions, file sizes and checksums; written last
+        save_times.json      the save's own times, added by rank 0 once it is complete (not part of the checkpoint)
     last                     text file holding the name of the newest complete checkpoint (``pointers.py``)
     best                     text file holding the name of the best one (by ``save_best``)
     .tmp-*                   an unfinished write (removed at the next start)
@@ -23,11 +24,20 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .io import DEL_PREFIX, TMP_PREFIX, CheckpointDamagedError, CheckpointError, CheckpointNotFoundError, PathLike
+from .io import (
+    DEL_PREFIX,
+    TMP_PREFIX,
+    CheckpointDamagedError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    PathLike,
+    atomic_write_text,
+)
 
 SHARED_FILE = "shared.pt"
 SHARDED_DIR = "sharded"  # torch.distributed.checkpoint files: each rank writes its own shard
 META_FILE = "meta.json"
+SAVE_TIMES_FILE = "save_times.json"
 POINTERS = ("last", "best")
 FORMAT = "colossal_lite.checkpoint"
 FORMAT_VERSION = 1
@@ -144,3 +154,23 @@ def remove_leftovers(checkpoint_dir: PathLike) -> List[Path]:
         if not entry.exists():
             removed.append(entry)
     return removed
+
+
+def write_save_times(folder: PathLike, step: int, epoch: int, time: float, values: Dict[str, float]) -> None:
+    """Add a complete checkpoint's own save times to its folder. They are measured once the checkpoint is written,
+    so its history cannot hold them; a run resumed from it takes them back (``read_save_times``). Not listed in
+    ``meta.json``: the checkpoint is complete and verified without it."""
+    atomic_write_text(Path(folder) / SAVE_TIMES_FILE,
+                      json.dumps({"step": step, "epoch": epoch, "time": time, "values": values}))
+
+
+def read_save_times(folder: PathLike) -> Optional[Dict[str, Any]]:
+    """``write_save_times``'s record of ``folder``, or None (a save that ended before it was added, an older
+    checkpoint, a file that is not one)."""
+    try:
+        record = json.loads((Path(folder) / SAVE_TIMES_FILE).read_text(encoding="utf-8"))
+        values = {str(name): float(value) for name, value in record["values"].items()}
+        return {"step": int(record["step"]), "epoch": int(record["epoch"]), "time": float(record["time"]),
+                "values": values}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None

@@ -165,8 +165,7 @@ class History:
 
     def without_measured(self) -> List[Tuple[int, int, str, float]]:
         """``without_time()`` less the values measured with a clock (``is_measured``): what a resumed run, or another
-        rank, shares bit for bit with the uninterrupted run. A resumed run also lacks the times of the save it
-        resumed from, which were recorded after that checkpoint was taken."""
+        rank, shares bit for bit with the uninterrupted run."""
         return [record for record in self.without_time() if not is_measured(record[2])]
 
     # -- checkpoint ----------------------------------------------------------------------------

@@ -262,7 +262,7 @@ def test_two_ranks_stop_together_when_one_is_signalled_and_torchrun_restarts_the
     assert (tmp_path / "preempted.rank0").read_text() == f"75 {tmp_path / 'ck' / 'epoch1-step11'}"
     assert "SIGTERM: stopped at epoch 1, step 11 (batch 6 of the epoch)" in log  # rank 0 stopped at the same step
     folder = tmp_path / "ck" / "epoch1-step11"
-    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "rank0.pt", "rank1.pt", "shared.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "rank0.pt", "rank1.pt", "save_times.json", "shared.pt"]
     assert f"resumed from {folder}: epoch 1, step 11, batch 6 of the epoch" in log
     final = json.loads((tmp_path / "final.json").read_text())
     reference = json.loads((tmp_path / "reference.json").read_text())
@@ -289,7 +289,7 @@ def test_resuming_a_two_rank_checkpoint_on_one_rank_warns_that_the_epochs_train_
     script.write_text(SAVE_TWO_RANKS)
     run_ranks(script, [tmp_path / "ck"], timeout=90)
     mid = tmp_path / "ck" / "epoch0-step5"
-    assert sorted(p.name for p in mid.iterdir()) == ["meta.json", "rank0.pt", "rank1.pt", "shared.pt"]
+    assert sorted(p.name for p in mid.iterdir()) == ["meta.json", "rank0.pt", "rank1.pt", "save_times.json", "shared.pt"]
     namespace = {}
     exec(compile(COMMON, "common", "exec"), namespace)
     gpc.destroy()

@@ -26,14 +26,15 @@ from colossal_lite.trainer.hooks import LossHook, SaveCheckpointHook
 from colossal_lite.utils import get_dataloader
 
 
-def _fit(target, logger):
+def _fit(target, logger, epochs=2, resume_from=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(24, 6, generator=g), torch.randint(0, 3, (24,), generator=g))
-    return Trainer(engine, logger=logger).fit(get_dataloader(data, batch_size=8), epochs=2,
-                                              hooks=[LossHook(), SaveCheckpointHook(1, target)])
+    return Trainer(engine, logger=logger).fit(get_dataloader(data, batch_size=8), epochs=epochs,
+                                              hooks=[LossHook(), SaveCheckpointHook(1, target)],
+                                              resume_from=resume_from)
 
 
 @pytest.mark.parametrize("legacy_file", [False, True])
@@ -54,6 +55,21 @@ def test_a_synchronous_save_reports_its_times_like_an_asynchronous_one(tmp_path,
     if not legacy_file:
         lines = [json.loads(line) for line in (target / "metrics.jsonl").read_text().splitlines()]
         assert [(r["step"], r["value"]) for r in lines if r["name"] == "checkpoint/total_s"] == total
+
+
+def test_a_resumed_run_holds_the_times_of_the_save_it_resumed_from(tmp_path):
+    """The times of a save are measured once its checkpoint is written, so the checkpoint's history cannot hold
+    them: a run resumed from it lost them from its history and its rewritten metrics file. They are added to the
+    checkpoint's folder once it is complete, and the resumed run takes them back."""
+    target = tmp_path / "ck"
+    first = _fit(target, None, epochs=1).series("checkpoint/total_s")
+    resumed = _fit(target, None, epochs=2, resume_from="last")
+    times = resumed.series("checkpoint/total_s")
+    assert [s for s, _ in times] == [3, 6] and times[0] == first[0]
+    assert resumed.series("checkpoint/blocking_s")[0] == first[0]  # (a synchronous save blocks for all of it)
+    lines = [json.loads(line) for line in (target / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["value"]) for r in lines if r["name"] == "checkpoint/total_s"] == times
+    assert CheckpointManager(target).load("last")  # the folder is still a complete, verified checkpoint
 
 
 def test_the_checksum_of_pieces_read_in_any_order_is_the_files():

@@ -109,10 +109,10 @@ def test_a_resumed_run_has_the_uninterrupted_runs_history_and_file(tmp_path, mon
     assert {name for name in ref.names if is_measured(name)} == {"checkpoint/blocking_s", "checkpoint/total_s"}
     assert ref.series("checkpoint/total_s")[0][0] == 4 and len(ref.without_measured()) == len(ref) - 2 * 4
     assert resumed.without_measured() == ref.without_measured()
-    # step 8's times were recorded after its checkpoint was taken: the resumed run has not got them, nor its file
-    assert [s for s, _ in resumed.series("checkpoint/total_s")] == [4, 12, 15]
+    # step 8's times were recorded after its checkpoint was taken: the resumed run takes them back from its folder
+    assert [s for s, _ in resumed.series("checkpoint/total_s")] == [4, 8, 12, 15]
     on_disk = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in on_disk if r["name"] == "checkpoint/blocking_s"] == [4, 12, 15]
+    assert [r["step"] for r in on_disk if r["name"] == "checkpoint/blocking_s"] == [4, 8, 12, 15]
     on_disk = [(r["step"], r["epoch"], r["name"], r["value"]) for r in on_disk if not is_measured(r["name"])]
     assert on_disk == ref.without_measured()  # appended across the resume, no step twice
     assert on_disk == [(r["step"], r["epoch"], r["name"], r["value"])

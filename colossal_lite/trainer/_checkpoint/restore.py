@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional, Union
 
 from ...checkpoint import CheckpointManager, restore_rng_state
 from ...checkpoint.io import CheckpointDamagedError, CheckpointError
+from ...checkpoint.layout import read_save_times
 from ...checkpoint.manager import has_sharded_state, load_sharded, model_state_from
 from ...checkpoint.merged import keyed_by_name, optimizer_state_by_name, optimizer_state_by_position, parameter_names
 from ...checkpoint.model_state import ModelMismatchError
@@ -70,6 +71,7 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
     trainer.load_state_dict({"progress": saved.get("progress", {}), "hooks": _hook_states_to_load(trainer, path, shared),
                              "history": saved.get("history"), "trackers": saved.get("trackers"),
                              "objects": saved.get("objects")})
+    _restore_save_times(trainer, path)
     trainer.restored_from = path
     same_world = _same_world(shared)
     rank_state = rank_state if rank_state is not None else {}
@@ -78,6 +80,18 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
     trainer.fire("on_load_checkpoint", dict(shared, rank_state=rank_state))
     _restore_rank_state(trainer, path, shared, rank_state, train_loader, same_world)
     return path
+
+
+def _restore_save_times(trainer, path: Path) -> None:
+    """The times of the save that wrote the checkpoint, into the restored history (recorded after the checkpoint
+    was taken, they are added to its folder once it is complete), so a resumed run's history and metrics file hold
+    them as the uninterrupted run's do."""
+    record = read_save_times(path)
+    if record is None:
+        return
+    names = set(record["values"])
+    if not any(r["step"] == record["step"] and r["name"] in names for r in trainer.history.records):
+        trainer.history.add_values(record["step"], record["epoch"], record["time"], record["values"])
 
 
 def _ways_on(path: Path, shapes_differ: bool) -> str:

@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Tuple, Union
 from ...checkpoint import CheckpointManager
 from ...checkpoint.async_writer import SaveTimes
 from ...checkpoint.io import CheckpointNotFoundError, load_single_file
+from ...checkpoint.layout import write_save_times
 from ...checkpoint.manager import is_single_file, read_meta
 from ...checkpoint.merged import is_merged, split_merged
 from ...core.dist import is_rank_0, log_rank_0, rank, world_size
@@ -230,8 +231,13 @@ class SaveCheckpointHook(BaseHook):
         wait = f", of which {t.waited:.3f} s waiting for the save before it" if t.waited > 0 else ""
         log_rank_0(trainer.logger, f"checkpoint saved: {t.path} (training blocked {t.blocking:.3f} s{wait}; "
                                    f"written in {t.total:.3f} s)")
-        trainer.record_values({"checkpoint/blocking_s": t.blocking, "checkpoint/total_s": t.total},
-                              step=t.step, epoch=t.epoch)
+        values = {"checkpoint/blocking_s": t.blocking, "checkpoint/total_s": t.total}
+        trainer.record_values(values, step=t.step, epoch=t.epoch)
+        if is_rank_0() and Path(t.path).is_dir():
+            try:
+                write_save_times(t.path, t.step, t.epoch, time.time(), values)
+            except OSError as err:  # (the checkpoint is complete without them: a run resumed from it lacks them)
+                log_rank_0(trainer.logger, f"could not add the save's times to {t.path}: {err}")
 
     def _save_file(self, trainer) -> Path:
         """The legacy single file: the engine's full model and optimizer state (gathered on every rank: a
