@@ -42,12 +42,12 @@ from ..checkpoint.merged import (
     parameter_names,
 )
 from ..checkpoint.model_state import check_model_state, is_sharded, load_model_state, unwrap_module
-from ..core.dist import barrier, is_rank_0
+from ..core.dist import barrier, is_rank_0, world_size
 from ..core.global_context import global_context as gpc
 
 __all__ = ["load_model_state", "check_model_state", "save_checkpoint", "load_checkpoint", "load_scheduler_state",
-           "write_checkpoint_file", "owning_engine", "engine_resume_state", "get_checkpoint_path",
-           "get_latest_checkpoint_path", "get_latest_checkpoint_pattern"]
+           "write_checkpoint_file", "owning_engine", "engine_resume_state", "refuse_window_on_ranks",
+           "get_checkpoint_path", "get_latest_checkpoint_path", "get_latest_checkpoint_pattern"]
 
 
 # -- legacy v0.1 file names --------------------------------------------------------------------------
@@ -98,6 +98,8 @@ def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torc
             "save_checkpoint writes on rank 0 alone, so it cannot gather it (the state it wrote would be empty). Fix: "
             "save the weights only, save_checkpoint(file, epoch, model), as legacy Colossal-AI did, or let fit save "
             "with SaveCheckpointHook(interval, 'ck.pt'), which gathers the whole state on every rank")
+    if engine is not None:
+        refuse_window_on_ranks(engine, "save_checkpoint")  # on every rank, so that none waits for rank 0 alone
     if not is_rank_0():
         return None
     return write_checkpoint_file(file, epoch, unwrap_module(model).state_dict(),
@@ -129,10 +131,24 @@ def _optimizer_sharded_by_zero_1(engine) -> bool:
     return isinstance(engine.optimizer, ZeroRedundancyOptimizer)
 
 
+def refuse_window_on_ranks(engine, what: str) -> None:
+    """Refuse a legacy single file taken inside an accumulation window on several ranks: each rank has gathered
+    its own gradients (they are reduced only at the window's end) and the file, written by rank 0 alone, would
+    give every rank rank 0's, so a run loading it would not continue as the one saved."""
+    if world_size() > 1 and not engine.window.at_start:
+        raise RuntimeError(f"{what}: a single checkpoint file cannot be taken inside an accumulation window on "
+                           f"{world_size()} ranks (each rank holds the gradients it gathered alone, and the file "
+                           f"keeps rank 0's only); save at a window's end (an optimizer step boundary), or use a "
+                           f"checkpoint folder (SaveCheckpointHook(..., checkpoint_dir='folder')), which keeps each "
+                           f"rank's own")
+
+
 def engine_resume_state(engine) -> Dict[str, Any]:
     """What the engine needs beside the model and optimizer state to continue exactly: its update count (which the
     scheduler wrapper compares with what it has seen), the loss scaler (and naive fp16's fp32 master weights),
-    and an open accumulation window with the gradients gathered in it (refused where the gradients are sharded)."""
+    and an open accumulation window with the gradients gathered in it (refused where the gradients are sharded,
+    and on several ranks: ``refuse_window_on_ranks``)."""
+    refuse_window_on_ranks(engine, "save_checkpoint")
     state = engine.state_dict_without_shards(check_window=engine.shards_state)
     if not engine.window.at_start:
         state["window_grads"] = [None if p.grad is None else p.grad.detach().clone()

@@ -12,10 +12,13 @@ from ..._version import __version__
 from ...checkpoint import CheckpointManager, capture_rng_state, checkpoint_name
 from ...core.dist import world_size
 
-__all__ = ["TRAINER_FORMAT", "HOOK_ENTRIES", "position", "name_epoch", "checkpoint_metrics", "hook_entry",
+__all__ = ["TRAINER_FORMAT", "WINDOW_GRADS_IN_RANK_STATE", "HOOK_ENTRIES", "position", "name_epoch", "checkpoint_metrics", "hook_entry",
            "saved_hook_states", "trainer_checkpoint_state", "save_trainer_checkpoint"]
 
 TRAINER_FORMAT = 1
+#: Set in the ``engine`` entry of a checkpoint taken inside an accumulation window: each rank's gathered gradients
+#: are in its own ``rank_state["engine"]["window_grads"]``.
+WINDOW_GRADS_IN_RANK_STATE = "window_grads_in_rank_state"
 #: Where a hook's ``state_dict()`` may be kept (``BaseHook.checkpoint_entry``).
 HOOK_ENTRIES = ("trainer", "lr_schedulers")
 
@@ -112,8 +115,16 @@ def trainer_checkpoint_state(trainer, train_loader=None) -> Tuple[Dict[str, Any]
                                   "metrics": of_rank["metrics"], "trainer": {"hooks": of_rank["hooks"]}, "hooks": {}}
     engine = trainer.engine
     sharded = engine.sharded_state_dict() if engine.shards_state else None
+    engine_state = engine.state_dict_without_shards() if sharded is not None else engine.state_dict()
+    # Inside an accumulation window each rank holds the gradients it gathered alone (micro-batches run under
+    # no_sync; they are reduced only at the window's end), so they belong to this rank's file: shared.pt is
+    # written by rank 0 alone, and every rank would resume with rank 0's. shared.pt only says where they are.
+    window_grads = engine_state.pop("window_grads", None)
+    if window_grads is not None:
+        engine_state[WINDOW_GRADS_IN_RANK_STATE] = True
+        rank_state["engine"] = {"window_grads": window_grads}
     shared: Dict[str, Any] = {
-        "engine": engine.state_dict_without_shards() if sharded is not None else engine.state_dict(),
+        "engine": engine_state,
         "lr_schedulers": hooks["lr_schedulers"],
         "trainer": dict(parts, hooks=hooks["trainer"]),
         "hooks": {},

@@ -13,7 +13,7 @@ from ...checkpoint.manager import has_sharded_state, load_sharded, model_state_f
 from ...checkpoint.merged import keyed_by_name, optimizer_state_by_name, optimizer_state_by_position, parameter_names
 from ...checkpoint.model_state import ModelMismatchError
 from ...core.dist import is_rank_0, log_rank_0, world_size
-from .contents import hook_entry, saved_hook_states
+from .contents import WINDOW_GRADS_IN_RANK_STATE, hook_entry, saved_hook_states
 
 __all__ = ["load_trainer_checkpoint", "restore_trainer_checkpoint"]
 
@@ -57,11 +57,13 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
     """
     if train_loader is None and trainer.checkpoints is not None:
         train_loader = trainer.checkpoints.train_loader
+    same_world = _same_world(shared)
+    rank_state = rank_state if rank_state is not None else {}
     try:
         if finetune:
             _load_weights_only(trainer, path, shared, strict)
         else:
-            _restore_engine(trainer.engine, path, shared, strict)
+            _restore_engine(trainer.engine, path, shared, rank_state if same_world else {}, strict)
     except ModelMismatchError as err:
         raise ModelMismatchError(f"{err}\n{_ways_on(path, err.shapes_differ)}", err.shapes_differ) from err
     if finetune:
@@ -73,8 +75,6 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
                              "objects": saved.get("objects")})
     _restore_save_times(trainer, path)
     trainer.restored_from = path
-    same_world = _same_world(shared)
-    rank_state = rank_state if rank_state is not None else {}
     if same_world:
         _load_rank_hook_states(trainer, rank_state)
     trainer.fire("on_load_checkpoint", dict(shared, rank_state=rank_state))
@@ -171,13 +171,14 @@ def _load_weights_only(trainer, path: Path, shared: Dict[str, Any], strict: bool
     engine.strategy.load_model_state_dict(engine.model, weights, strict=strict)
 
 
-def _restore_engine(engine, path: Path, shared: Dict[str, Any], strict: bool) -> None:
+def _restore_engine(engine, path: Path, shared: Dict[str, Any], rank_state: Dict[str, Any], strict: bool) -> None:
     """Model, optimizer, loss scaler, accumulation window: from the shards with ZeRO 2/3, else from ``shared``."""
     engine_state = shared.get("engine")
     if not isinstance(engine_state, dict):
         raise CheckpointError(f"checkpoint {path} holds no trainer state (no 'engine' entry; top-level keys "
                               f"{sorted(map(str, shared))}); a weights-only file loads with finetune=True or "
                               f"colossal_lite.utils.load_checkpoint")
+    engine_state = _with_window_grads(engine_state, path, shared, rank_state)
     if has_sharded_state(path) and "model" not in engine_state:
         if not engine.shards_state:
             raise CheckpointError(f"checkpoint {path} holds model and optimizer as zero stage 2/3 shards; resume it "
@@ -189,6 +190,31 @@ def _restore_engine(engine, path: Path, shared: Dict[str, Any], strict: bool) ->
     elif "optimizer" in engine_state:  # whole tensors, by name (merged from shards) or by position (unsharded)
         engine_state = dict(engine_state, optimizer=_optimizer_state_for(engine, engine_state["optimizer"]))
     engine.load_state_dict(engine_state, strict=strict)
+
+
+def _with_window_grads(engine_state: Dict[str, Any], path: Path, shared: Dict[str, Any],
+                       rank_state: Dict[str, Any]) -> Dict[str, Any]:
+    """The engine's state with the gradients of the accumulation window open at the save, this rank's own.
+
+    Each rank gathered them alone (they are reduced at the window's end), so each rank's file holds its own
+    (``rank_state`` is {} when the checkpoint was written by another number of ranks: refused, as no rank's
+    gradients would be right). Checked before anything is loaded, on every rank alike."""
+    saved_world = (shared.get("colossal_lite") or {}).get("world_size")
+    if engine_state.get(WINDOW_GRADS_IN_RANK_STATE):
+        grads = (rank_state.get("engine") or {}).get("window_grads")
+        if grads is None:
+            raise CheckpointError(f"checkpoint {path} was taken inside an accumulation window by {saved_world} "
+                                  f"rank(s), each holding the gradients it gathered alone; resume it with "
+                                  f"{saved_world} rank(s) (this run has {world_size()}), or from a checkpoint taken "
+                                  f"at a window's end")
+        engine_state = {k: v for k, v in engine_state.items() if k != WINDOW_GRADS_IN_RANK_STATE}
+        return dict(engine_state, window_grads=grads)
+    if engine_state.get("window_grads") is not None and (saved_world or 1) > 1:
+        # written before the gradients went to each rank's file: shared.pt holds rank 0's alone
+        warnings.warn(f"checkpoint {path} was taken inside an accumulation window on {saved_world} ranks by an "
+                      f"older colossal_lite, which kept only rank 0's gathered gradients: every rank resumes the "
+                      f"window with them, so this run will not match one that never stopped", stacklevel=4)
+    return engine_state
 
 
 def _optimizer_state_for(engine, optimizer_state):

@@ -16,7 +16,12 @@ from ...checkpoint.layout import write_save_times
 from ...checkpoint.manager import is_single_file, read_meta
 from ...checkpoint.merged import is_merged, split_merged
 from ...core.dist import is_rank_0, log_rank_0, rank, world_size
-from ...utils.checkpointing import load_checkpoint_state, remove_stale_temp_files, write_checkpoint_file
+from ...utils.checkpointing import (
+    load_checkpoint_state,
+    refuse_window_on_ranks,
+    remove_stale_temp_files,
+    write_checkpoint_file,
+)
 from .._checkpoint.contents import checkpoint_metrics, hook_entry, name_epoch, position, save_trainer_checkpoint
 from .._checkpoint.restore import load_trainer_checkpoint, restore_trainer_checkpoint
 from ..time import AtSteps, Interval, Time, TimeUnit
@@ -244,6 +249,7 @@ class SaveCheckpointHook(BaseHook):
         collective under ZeRO), the engine's own state (update count, loss scaler) and the first
         ``LRSchedulerHook``'s scheduler, written by rank 0 over the last one.
         It is named after the epoch its last optimizer step belongs to, as ``LoadCheckpointHook`` expects."""
+        refuse_window_on_ranks(trainer.engine, f"SaveCheckpointHook({str(self.file)!r})")
         engine_state = trainer.engine.state_dict()
         scheduler = next((hook for hook in trainer.hooks if hook_entry(hook) == "lr_schedulers"), None)
         epoch = name_epoch(trainer)
