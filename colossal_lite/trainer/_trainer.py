@@ -104,6 +104,18 @@ class _Handlers:
 
 
 @dataclass
+class _CutEpoch:
+    """Where a fit cut an epoch short, taken before the epoch's end events (where the final checkpoint of such a
+    fit is taken): for the next fit on the same trainer to continue that epoch as a run resumed from that
+    checkpoint would."""
+
+    position: Tuple[int, int, int]  # (epoch, batch_idx, step)
+    sums: Dict[str, Any]  # this rank's train metrics' sums of the epoch so far (``TrainMetricSums.state_dict``)
+    first_record: int  # len(history) at the cut: the records from here on are that fit's, of the cut epoch's end
+    end_record: Optional[int] = None  # len(history) when that fit ended (None while it runs)
+
+
+@dataclass
 class TestModeResult:
     """What ``fit(..., test_mode=True)`` ran and found; ``str()`` is the one-line verdict, ``bool()`` is ``ok``."""
 
@@ -318,6 +330,7 @@ class Trainer:
         self.history = History()  # every fit's recorded metric values (docs/metrics.md)
         self._recorder: Optional[Recorder] = None  # records the running fit's values into the history
         self._metric_sums = TrainMetricSums(lambda: self.states["metrics"]["train"])
+        self._cut: Optional[_CutEpoch] = None  # the epoch the last fit cut short, for the next fit to continue
         self.state_registry = self._registry()
 
     def _registry(self) -> StateRegistry:
@@ -337,6 +350,7 @@ class Trainer:
     def _load_progress(self, progress: Dict[str, Any]) -> None:
         self.state.load_state_dict(progress)
         self._step_from_epoch = False
+        self._cut = None  # the run stands where the restored state says, with its own history and sums
 
     # -- legacy properties -----------------------------------------------------------------------
     @property
@@ -358,6 +372,7 @@ class Trainer:
         self.state.epoch = _check_count("cur_epoch", epoch)
         self.state.batch_idx = 0
         self._step_from_epoch = True  # fit sets cur_step = cur_epoch * steps_per_epoch
+        self._cut = None  # an epoch cut short is not continued: the next fit starts epoch ``epoch`` afresh
 
     @property
     def cur_step(self) -> int:
@@ -494,6 +509,8 @@ class Trainer:
         self.state_registry.clear("trackers")
         self._run_timer = self._timer if self._timer is not None else _NULL_TIMER
         self._metric_sums.forget()
+        if self._cut is not None and self._cut.end_record is None:  # the fit that cut an epoch short ends here
+            self._cut.end_record = len(self.history)
         st = self.state
         st.phase = None
         st.fitting = False
@@ -583,6 +600,7 @@ class Trainer:
         """The epochs, from where the state stands to the end of the run or the first reason to stop."""
         st = self.state
         self._engine.train()
+        self._continue_cut_epoch()  # (before BEFORE_TRAIN: the trackers start from the history it leaves)
         self.fire(Event.BEFORE_TRAIN)
         epochs = range(st.epoch, st.max_epochs) if st.max_epochs is not None else itertools.count(st.epoch)
         for epoch in epochs:  # (no epoch limit: a loader without len and a length in steps)
@@ -600,6 +618,30 @@ class Trainer:
         self._engine.check_loss_finite()
         checkpoints.finish()
         self.fire(Event.AFTER_TRAIN)
+
+    def _note_cut_epoch(self) -> None:
+        """The epoch stops short of its end (``max_steps``, a stop, a preemption), before its end events: note
+        where, this rank's train sums so far and the history's length, as the checkpoint taken at this point
+        holds them, for the next fit to continue the epoch (``_continue_cut_epoch``)."""
+        if self._recorder is not None:
+            self._recorder.flush()  # (the steps' values kept on the device join the history before the mark)
+        st = self.state
+        self._cut = _CutEpoch((st.epoch, st.batch_idx, st.step), self._metric_sums.state_dict(), len(self.history))
+
+    def _continue_cut_epoch(self) -> None:
+        """When the run stands where the last fit cut an epoch short, this fit continues that epoch as a run
+        resumed from the checkpoint taken at the cut does: the epoch's train metrics go on from their sums at the
+        cut (given back when the epoch begins, after the hooks reset them), and what that fit recorded from the
+        cut on (the epoch's values over its first batches, the evaluation after them) leaves the history, so the
+        epoch is recorded once, over all its batches, as in an uninterrupted run. Values recorded between the two
+        fits (``record_values``) stay."""
+        cut, self._cut = self._cut, None
+        st = self.state
+        if cut is None or (st.epoch, st.batch_idx, st.step) != cut.position:
+            return  # (the run was moved: ``state`` set by hand)
+        end = cut.end_record if cut.end_record is not None else len(self.history)
+        self.history.forget(cut.first_record, end)
+        self._metric_sums.load_state_dict(cut.sums)
 
     def _stops_after(self, epoch: int) -> bool:
         """The step limit was reached or a hook asked to stop (said on rank 0)."""
@@ -633,6 +675,8 @@ class Trainer:
         preempted = self._train_loop(run, data_iter, progress, boundary)
         timer.stop("Train-epoch", keep_in_history=True)
         progress.close(st.batch_idx - skip)
+        if not st.epoch_finished:
+            self._note_cut_epoch()
         if preempted:  # the checkpoint is written; the epoch did not end, so no epoch-end events
             return
         engine.check_loss_finite()  # (nonfinite_loss='raise': before the epoch's metrics are read and logged)

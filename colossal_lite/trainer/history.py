@@ -159,6 +159,15 @@ class History:
             self._clear()
             self.add(kept)
 
+    def forget(self, start: int, end: int) -> None:
+        """Forget the records ``start`` to ``end - 1``, counted in the order recorded (``len(history)`` before and
+        after they were recorded): what a fit recorded at the end of an epoch it cut short, which the next fit
+        continues and records in full (``Trainer.fit``)."""
+        if start < end:
+            records = self.records
+            self._clear()
+            self.add(records[:start] + records[end:])
+
     def without_time(self) -> List[Tuple[int, int, str, float]]:
         """``(step, epoch, name, value)`` of every record: what two runs of the same training share."""
         return [(r["step"], r["epoch"], r["name"], r["value"]) for r in self.records]

@@ -28,18 +28,27 @@ class Lines:
     warning = error = info
 
 
-def _fit(by_epoch, epochs=3, batches=4, accumulation=1):
+def _fit(by_epoch, epochs=3, batches=4, accumulation=1, max_steps=None, plateau=False):
+    """``plateau``: a ReduceLROnPlateau on the test loss that halves the LR after every evaluation."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     window = AccumulationWindow(accumulation)
     engine = Engine(model, optimizer, nn.CrossEntropyLoss(), window=window)
-    scheduler = EngineLRScheduler(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7), engine)
+    if plateau:  # (no test loss is below inf * (1 - 10): never an improvement)
+        schedule = LRSchedulerHook(torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0,
+                                                                              threshold=10.0),
+                                   by_epoch=True, monitor="test/Loss")
+    else:
+        schedule = LRSchedulerHook(EngineLRScheduler(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1,
+                                                                                     gamma=0.7), engine),
+                                   by_epoch=by_epoch)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(batches)]
     logger, trainer = Lines(), Trainer(engine)
-    trainer.fit(AccumulationDataLoader(data, window), epochs=epochs, display_progress=False,
-                hooks=[LossHook(), LRSchedulerHook(scheduler, by_epoch=by_epoch), LogMetricByEpochHook(logger)])
+    trainer.fit(AccumulationDataLoader(data, window), epochs=epochs, max_steps=max_steps, display_progress=False,
+                test_dataloader=data if plateau else None, hooks=[LossHook(), schedule, LogMetricByEpochHook(logger)],
+                log_dir=False)
     shown = [m.group(1) for line in logger.lines for m in [re.search(r"/ Train\]: .*LR = (\S+)", line)] if m]
     return shown, trainer.history
 
@@ -53,4 +62,21 @@ def test_per_epoch_schedule_the_line_shows_the_lr_the_epoch_trained_at():
 def test_per_update_schedule_the_line_shows_the_lr_of_the_epochs_last_update():
     shown, history = _fit(by_epoch=False, epochs=2, batches=4, accumulation=2)  # 2 updates per epoch
     assert shown == ["0.7", "0.343"]  # updates 2 and 4 trained at 0.7 ** 1 and 0.7 ** 3
+    assert [float(v) for v in shown] == pytest.approx([epoch["lr"] for epoch in history.epochs])
+
+
+def test_an_epoch_cut_short_shows_the_lr_its_steps_trained_at():
+    # 4 steps per epoch, max_steps=6: epoch 1 is cut after 2 steps, which trained at 0.7. The cut epoch's end
+    # steps no scheduler, so nothing notes its LR; the line showed 1, the LR noted at epoch 0's end
+    shown, history = _fit(by_epoch=True, epochs=3, max_steps=6)
+    assert shown == ["1", "0.7"]
+    assert history["lr"][4:] == pytest.approx([0.7, 0.7])
+    assert [float(v) for v in shown] == pytest.approx([epoch["lr"] for epoch in history.epochs])
+
+
+def test_a_schedule_on_a_test_metric_the_line_shows_the_lr_the_epoch_trained_at():
+    # the scheduler steps after each evaluation, so after the train line is written: epoch 1 trained at 0.5
+    # and its line showed 1, the LR noted when the scheduler stepped after epoch 0's evaluation
+    shown, history = _fit(by_epoch=True, epochs=3, plateau=True)
+    assert shown == ["1", "0.5", "0.25"]
     assert [float(v) for v in shown] == pytest.approx([epoch["lr"] for epoch in history.epochs])

@@ -17,7 +17,7 @@ from colossal_lite.nn.metric import Accuracy
 from colossal_lite.trainer import Trainer
 from colossal_lite.trainer._recorder import Recorder
 from colossal_lite.trainer.history import is_measured
-from colossal_lite.trainer.hooks import AccuracyHook, LossHook, LRSchedulerHook, SaveCheckpointHook
+from colossal_lite.trainer.hooks import AccuracyHook, BaseHook, LossHook, LRSchedulerHook, SaveCheckpointHook
 from colossal_lite.trainer.trackers import MetricsFile, TensorBoardTracker, Tracker
 from colossal_lite.utils import get_dataloader
 
@@ -130,6 +130,49 @@ def test_a_later_fit_goes_on_with_the_history_and_the_csv_form_matches(tmp_path)
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["step", "epoch", "name", "value", "time"]
     assert [(int(r["step"]), int(r["epoch"]), r["name"], float(r["value"])) for r in rows] == second.without_time()
+
+
+class EpochValues(BaseHook):
+    """The train metrics' values at the end of each finished epoch, as a user's hook reads them."""
+
+    def __init__(self, seen):
+        super().__init__(priority=100)
+        self.seen = seen
+
+    def after_train_epoch(self, trainer):
+        if trainer.state.epoch_finished:
+            self.seen.append((trainer.cur_epoch, {name: metric.get_accumulated_value()
+                                                  for name, metric in trainer.states["metrics"]["train"].items()}))
+
+
+@pytest.mark.parametrize("same_hooks", [False, True])
+def test_a_later_fit_that_continues_a_cut_epoch_records_what_an_uninterrupted_run_does(tmp_path, same_hooks):
+    # The later fit reset the epoch's train sums and recorded its values over the batches after the cut only, and
+    # the cut fit's values of that epoch (and of the evaluation after them) stayed: epoch 1 had two train/Loss.
+    test = [(x, y) for x, y in get_dataloader(dataset(12, seed=1), batch_size=6)]
+    ref_values, values = [], []
+    ref_model, engine, sched, loader = build()
+    ref = Trainer(engine).fit(loader, epochs=3, test_dataloader=test, log_dir=tmp_path / "ref",
+                              hooks=hooks_for(sched) + [EpochValues(ref_values)])
+
+    model, engine, sched, loader = build()
+    trainer = Trainer(engine)
+    hooks = hooks_for(sched) + [EpochValues(values)]
+    cut = trainer.fit(loader, epochs=3, max_steps=7, test_dataloader=test, log_dir=tmp_path / "run", hooks=hooks)
+    assert (trainer.cur_epoch, trainer.state.batch_idx) == (1, 2)  # 5 steps per epoch: cut 2 steps into epoch 1
+    assert cut.series("train/Loss")[-1][0] == 7  # this fit's own history: epoch 1's first 2 steps, evaluated
+    trainer.record_values({"own/value": 1.5})  # recorded between the fits by the user: it stays
+    trainer.fit(loader, epochs=3, test_dataloader=test, log_dir=tmp_path / "run",
+                hooks=hooks if same_hooks else hooks_for(sched) + [EpochValues(values)])
+    assert values == ref_values  # each epoch's values over all its batches, bit for bit
+    assert [epoch for epoch, _ in values] == [0, 1, 2]
+    own = (7, 1, "own/value", 1.5)
+    assert own in trainer.history.without_time()
+    assert [r for r in trainer.history.without_time() if r != own] == ref.without_time()  # each epoch's values once
+    on_disk = [(r["step"], r["epoch"], r["name"], r["value"]) for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert [r for r in on_disk if r != own] == ref.without_time()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
 
 
 class Collect(Tracker):

@@ -361,7 +361,11 @@ class LearningRateMetric(Metric):
         return float(self._source()) if self._source is not None else self._lr
 
     def reset(self) -> None:
-        """Nothing to clear: the LR is a running value, kept across epochs."""
+        """A new epoch: forget the LR noted at the last one's end. The LR itself is a running value, kept across
+        epochs; but the note belongs to the epoch whose updates it was taken after, and an epoch that ends without
+        one (cut short by ``max_steps`` or a stop, or whose scheduler steps on a test metric after its line is
+        written) would otherwise show the epoch before's LR."""
+        self._trained = None
 
     def update(self, lr: float) -> None:
         self._lr = float(lr)
@@ -693,6 +697,10 @@ class LRSchedulerHook(MetricHook):
         if self.metric is not None:
             self.metric.note_trained(self._current_lr())
         self.lr_scheduler.step(*args)
+
+    def before_train_epoch(self, trainer):
+        if self.metric is not None:
+            self.metric.reset()  # the LR noted at the last epoch's end is not this epoch's
 
     def after_train_iter(self, trainer, output, label, loss):
         if not self.by_epoch and trainer.state.updated:
