@@ -1,6 +1,7 @@
 """grad_reduction: 'sum' and 'per-token-mean' (padded token losses) across micro-batches."""
 import pytest
 import torch
+from dist_helpers import run_ranks
 
 import colossal_lite
 
@@ -156,8 +157,6 @@ def test_per_token_mean_across_two_ranks(tmp_path):
     """Two ranks with different real-token counts: the update is the mean over all tokens of both ranks."""
     import json
     from pathlib import Path
-
-    from dist_helpers import run_ranks
 
     script = tmp_path / "tokens_rank.py"
     script.write_text(RANK_SCRIPT.format(here=str(Path(__file__).parent), out=str(tmp_path / "r")))

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from dist_helpers import run_ranks
 from hook_helpers import crash_at
 from torch import nn
 
@@ -171,8 +172,6 @@ gpc.destroy()
 
 def test_two_ranks_make_one_mlflow_run_that_every_rank_knows(tmp_path, monkeypatch):
     import json
-
-    from dist_helpers import run_ranks
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     script = tmp_path / "run.py"
