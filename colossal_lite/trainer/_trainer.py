@@ -397,6 +397,16 @@ class Trainer:
         """The ``UserStep`` the running fit or evaluate was given (``step=``); None while the Trainer's own step runs."""
         return self._step.step if isinstance(self._step, UserStepRunner) else None
 
+    def check_losses_finite(self) -> None:
+        """Raise ``NonFiniteLossError`` where an engine the fit trains saw a NaN or inf loss under
+        ``nonfinite_loss='raise'``: the Trainer's, and the other engines of a step of the user's own, each with its own
+        setting (every rank alike)."""
+        self._engine.check_loss_finite()
+        step = self.user_step
+        for engine in step.engines.values() if step is not None else ():
+            if engine is not self._engine:
+                engine.check_loss_finite()
+
     @property
     def timer(self):
         """The timer of the current run (None when nothing is timed)."""
@@ -615,7 +625,7 @@ class Trainer:
                 st.batch_idx = 0
             if checkpoints.at_epoch_boundary() or self._stops_after(epoch):  # (a safe point: interval saves)
                 break
-        self._engine.check_loss_finite()
+        self.check_losses_finite()
         checkpoints.finish()
         self.fire(Event.AFTER_TRAIN)
 
@@ -679,7 +689,7 @@ class Trainer:
             self._note_cut_epoch()
         if preempted:  # the checkpoint is written; the epoch did not end, so no epoch-end events
             return
-        engine.check_loss_finite()  # (nonfinite_loss='raise': before the epoch's metrics are read and logged)
+        self.check_losses_finite()  # (nonfinite_loss='raise': before the epoch's metrics are read and logged)
         self.fire(Event.AFTER_TRAIN_EPOCH)
         timer.reset("Train-epoch")
 

@@ -237,6 +237,33 @@ def test_evaluate_runs_the_user_steps_evaluate_function_as_fits_evaluations_do()
     assert trainer.evaluate(_batches(3, seed=1), hooks=[LossHook()], step=UserStep(_plain_step)) == own
 
 
+@pytest.mark.parametrize("nan_on", ["trainers_engine", "other_engine"])
+def test_a_non_finite_loss_on_any_engine_of_the_step_raises_before_a_checkpoint_takes_it(tmp_path, nan_on):
+    """nonfinite_loss='raise' (the default) raises at the epoch's end or the next save, before the weights the NaN
+    made are written: on the Trainer's engine it did, on the step's other engine the fit finished and its last
+    checkpoint held NaN weights (found by a probe)."""
+    from colossal_lite.engine.loss_guard import NonFiniteLossError
+    from colossal_lite.trainer.hooks import SaveCheckpointHook
+
+    main, other = _engine(), _engine()
+
+    def step(trainer, batch):
+        x, y = batch
+        for engine in (main, other):
+            engine.zero_grad()
+            loss = engine.criterion(engine(x), y)
+            if trainer.state.batch_idx == 4 and (engine is main) == (nan_on == "trainers_engine"):
+                loss = loss * float("nan")
+            engine.backward(loss)
+            engine.step()
+        return loss
+
+    with pytest.raises(NonFiniteLossError, match="not finite"):
+        Trainer(main).fit(_batches(), epochs=1, step=UserStep(step, engines={"main": main, "other": other}),
+                          hooks=[SaveCheckpointHook("1ep", tmp_path / "ck")], log_dir=False)
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").glob("epoch*"))
+
+
 # -- bad input: the message names the fix -------------------------------------------------------------------------
 def _engine(accumulation=1, **config):
     model, optimizer = _classifier()

@@ -183,7 +183,7 @@ class SaveCheckpointHook(BaseHook):
         here = position(trainer)
         if here == self._last_position and self.last_path is not None:
             return self.last_path
-        trainer.engine.check_loss_finite()  # nan weights never become a checkpoint (nor push a good one out)
+        trainer.check_losses_finite()  # nan weights never become a checkpoint (nor push a good one out)
         if self.file is not None:
             path = self._save_file(trainer)
             took = time.perf_counter() - started_at
