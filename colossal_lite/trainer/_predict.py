@@ -53,10 +53,15 @@ def _upcoming(sampler) -> List[int]:
 
 def _inputs(schedule, batch: Any, device) -> Any:
     """The model's inputs in ``batch``: the schedule's split, as in evaluation ((data, label) pairs, or what
-    ``data_process_func`` returns); a bare tensor is taken as the inputs alone."""
+    ``data_process_func`` returns); a bare tensor is taken as the inputs alone. A dict batch goes into the model
+    without its ``'labels'``, as a pair's label does not: with them a Hugging Face model adds its loss, a value of
+    the batch, not of each sample."""
     if isinstance(batch, torch.Tensor) and schedule.data_process_func is None:
         return schedule.place((batch, None), device)[1]
-    return schedule.place(batch, device)[1]
+    _, data, label = schedule.place(batch, device)
+    if isinstance(data, dict) and label is not None and data.get("labels") is label:
+        data = {key: value for key, value in data.items() if key != "labels"}
+    return data
 
 
 def _concat(outputs: List[Any]) -> Any:
@@ -65,9 +70,25 @@ def _concat(outputs: List[Any]) -> Any:
         raise ValueError("predict got an empty loader: there are no outputs to return")
     for leaf in (leaf for out in outputs for leaf in iter_leaves(out)):
         if not (isinstance(leaf, torch.Tensor) and leaf.dim() > 0):
+            got = "a 0-dim tensor (a value of the whole batch, such as a loss)" if isinstance(leaf, torch.Tensor) \
+                else f"a {type(leaf).__name__}"
             raise TypeError("predict over a loader joins the outputs along their first (batch) dimension, so every "
-                            f"output must be a tensor with one, or a list/tuple/dict of them; got {type(leaf)}")
+                            f"output must be a tensor with one, or a list/tuple/dict of them; got {got}. Fix: let "
+                            "the model return per-sample values only in prediction, or predict each batch on its own "
+                            "(trainer.predict(batch))")
+    first = [leaf.shape[1:] for leaf in iter_leaves(outputs[0])]
+    for index, out in enumerate(outputs):
+        shapes = [leaf.shape[1:] for leaf in iter_leaves(out)]
+        if shapes != first:
+            raise ValueError(f"predict over a loader joins the batches' outputs along the first dimension, but batch "
+                             f"{index}'s differ from batch 0's beyond it ({_shapes(shapes)} against {_shapes(first)}): "
+                             f"a collate_fn that pads each batch to its own longest sequence does this. Fix: pad every "
+                             f"batch to one length, or predict each batch on its own (trainer.predict(batch))")
     return join_samples(outputs)
+
+
+def _shapes(shapes: List[torch.Size]) -> str:
+    return ", ".join(f"(batch, {', '.join(map(str, shape))})" if len(shape) else "(batch,)" for shape in shapes)
 
 
 def _in_dataset_order(output: Any, indices: List[int]) -> Any:

@@ -4,6 +4,7 @@ import runpy
 import sys
 import textwrap
 
+import pytest
 import torch
 from dist_helpers import doc_python_blocks, run_python, run_ranks
 from torch import nn
@@ -126,6 +127,58 @@ def test_nested_outputs_are_joined_leaf_by_leaf():
     torch.testing.assert_close(out["a"], expected["a"])
     torch.testing.assert_close(out["b"][0], expected["b"][0])
     torch.testing.assert_close(out["b"][1], expected["b"][1])
+
+
+class OwnLoss(nn.Module):
+    """A Hugging Face style model: keyword inputs, its own loss when given labels, a dict output."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, features, labels=None):
+        logits = self.head(features)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits, labels)
+        return out
+
+
+def test_a_dict_loader_with_labels_predicts_what_it_evaluates_on():
+    """The loader a Hugging Face model evaluates on (dict batches holding 'labels') predicts too: the model gets the
+    inputs without the labels, as a (data, label) pair's data (with them it added its loss, a 0-dim value of the
+    batch, and predict refused to join it, naming a tensor)."""
+    model = OwnLoss()
+    engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"features": torch.randn(3, 4, generator=g), "labels": torch.randint(0, 3, (3,), generator=g)}
+               for _ in range(3)]
+    out = Trainer(engine).predict(batches)
+    with torch.no_grad():
+        expected = torch.cat([model(b["features"])["logits"] for b in batches])
+    assert list(out) == ["logits"] and torch.equal(out["logits"], expected)
+
+
+def test_outputs_that_cannot_be_joined_are_refused_with_the_fix():
+    class PerBatch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return {"logits": x * self.scale, "total": x.sum()}  # a value of the whole batch
+
+    model = PerBatch()
+    engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    with pytest.raises(TypeError, match=r"got a 0-dim tensor \(a value of the whole batch, such as a loss\)\. Fix:"):
+        Trainer(engine).predict([torch.randn(2, 3), torch.randn(2, 3)], loader=True)
+    model = nn.Linear(3, 3)
+    engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    padded = [torch.randn(2, 5, 3), torch.randn(2, 7, 3)]  # each batch padded to its own longest sequence
+    with pytest.raises(ValueError, match=r"batch 1's differ from batch 0's beyond it \(\(batch, 7, 3\) against "
+                                         r"\(batch, 5, 3\)\).*pad every batch to one length"):
+        Trainer(engine).predict(padded, loader=True)
 
 
 def test_predict_of_one_batch_still_works():
