@@ -92,14 +92,14 @@ def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torc
     """
     _check_extra(kwargs)
     engine = owning_engine(model, optimizer, lr_scheduler)
+    if engine is not None:
+        refuse_window_on_ranks(engine, "save_checkpoint")  # on every rank, so that none waits for rank 0 alone
     if optimizer is not None and engine is not None and _optimizer_sharded_by_zero_1(engine):
         raise ValueError(
             "save_checkpoint: under zero=dict(stage=1) the optimizer state is sharded over the ranks and "
             "save_checkpoint writes on rank 0 alone, so it cannot gather it (the state it wrote would be empty). Fix: "
             "save the weights only, save_checkpoint(file, epoch, model), as legacy Colossal-AI did, or let fit save "
             "with SaveCheckpointHook(interval, 'ck.pt'), which gathers the whole state on every rank")
-    if engine is not None:
-        refuse_window_on_ranks(engine, "save_checkpoint")  # on every rank, so that none waits for rank 0 alone
     if not is_rank_0():
         return None
     return write_checkpoint_file(file, epoch, unwrap_module(model).state_dict(),

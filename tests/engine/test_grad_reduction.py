@@ -1,7 +1,6 @@
 """grad_reduction: 'sum' and 'per-token-mean' (padded token losses) across micro-batches."""
 import pytest
 import torch
-from dist_helpers import run_ranks
 
 import colossal_lite
 
@@ -153,10 +152,13 @@ gpc.destroy()
 """
 
 
+@pytest.mark.slow  # (its ranks import this module, so run_ranks is imported here, out of the slow rule's sight)
 def test_per_token_mean_across_two_ranks(tmp_path):
     """Two ranks with different real-token counts: the update is the mean over all tokens of both ranks."""
     import json
     from pathlib import Path
+
+    from dist_helpers import run_ranks
 
     script = tmp_path / "tokens_rank.py"
     script.write_text(RANK_SCRIPT.format(here=str(Path(__file__).parent), out=str(tmp_path / "r")))
