@@ -12,8 +12,8 @@ from ..._version import __version__
 from ...checkpoint import CheckpointManager, capture_rng_state, checkpoint_name
 from ...core.dist import world_size
 
-__all__ = ["TRAINER_FORMAT", "WINDOW_GRADS_IN_RANK_STATE", "HOOK_ENTRIES", "position", "name_epoch", "checkpoint_metrics", "hook_entry",
-           "saved_hook_states", "trainer_checkpoint_state", "save_trainer_checkpoint"]
+__all__ = ["TRAINER_FORMAT", "WINDOW_GRADS_IN_RANK_STATE", "HOOK_ENTRIES", "position", "name_epoch",
+           "checkpoint_metrics", "hook_entry", "saved_hook_states", "trainer_checkpoint_state", "save_trainer_checkpoint"]
 
 TRAINER_FORMAT = 1
 #: Set in the ``engine`` entry of a checkpoint taken inside an accumulation window: each rank's gathered gradients
