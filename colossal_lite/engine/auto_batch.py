@@ -121,7 +121,10 @@ class AutoMicroBatcher:
         weights = [torch.as_tensor(model_loss.count_tokens(b) if counts_tokens else batch_len(b) / n,
                                    dtype=torch.float32, device=loss.device)
                    for b, loss in zip(split_samples(batch, parts, n), losses)]
-        return engine.reduction.joined_loss(list(zip(losses, weights)))
+        loss = engine.reduction.joined_loss(list(zip(losses, weights)))
+        if not counts_tokens:
+            engine.reduction.note_tokens(None)  # (the weights were shares of the samples: no token was counted)
+        return loss
 
     def _more_parts(self, parts: int, n: int, what: str) -> int:
         """The split to retry a ``what`` of ``n`` samples in, after ``parts`` pieces ran out of memory on some rank."""

@@ -38,8 +38,7 @@ class _Criterion:
             return engine.model_loss(*args, **kwargs)
         with engine.precision.autocast():
             result = engine._criterion(*args, **kwargs)
-        # only a pair can carry a token count for the reduction: ``(loss_sum, num_tokens)``
-        return engine.reduction.criterion_result(result) if isinstance(result, tuple) else result
+        return engine.reduction.criterion_result(result)  # (a per-token mean reads a ``(loss_sum, num_tokens)`` pair)
 
     @property
     def wrapped(self):
@@ -204,8 +203,8 @@ class Engine:
                                  "batch: (data, label)) to say which part is the label")
             return call_criterion(self._criterion_call, output, label)
         loss = model_loss(output) if required else model_loss.find(output)
-        if loss is not None and batch is not None and model_loss.num_tokens is not None:
-            self.reduction.note_tokens(model_loss.count_tokens(batch))
+        counted = loss is not None and batch is not None and model_loss.num_tokens is not None
+        self.reduction.note_tokens(model_loss.count_tokens(batch) if counted else None)
         return loss
 
     def zero_grad(self, set_to_none: bool = True):

@@ -24,10 +24,17 @@ GRAD_REDUCTIONS = ("mean", "sum", "per-token-mean")
 
 class MeanReduction:
     name = "mean"
+    #: The real-token count of the last loss computed (a per-token mean's), None when it counts none: what a loss
+    #: metric weighs that loss by in place of its samples (``loss_count``).
+    last_tokens: Any = None
 
     def criterion_result(self, result: Any) -> Any:
-        """What ``engine.criterion`` returns for the criterion's ``result`` when it is a tuple."""
+        """What ``engine.criterion`` returns for the criterion's ``result``."""
         return result
+
+    def loss_count(self, samples: int) -> Any:
+        """What the last loss is a mean over, for a loss metric that averages losses: its samples."""
+        return samples
 
     def __init__(self):
         self._weights: Dict[Any, torch.Tensor] = {}  # 1 / window size, per (size, dtype, device): made once
@@ -103,7 +110,12 @@ class TokenMeanReduction(MeanReduction):
         self._micro_tokens: Optional[torch.Tensor] = None  # the last criterion's real-token count
         self.tokens: Optional[torch.Tensor] = None  # real tokens of the open window on this rank
 
+    def loss_count(self, samples):
+        """The last loss's real tokens (a device tensor, weighed without reading it), else its samples."""
+        return samples if self.last_tokens is None else self.last_tokens
+
     def criterion_result(self, result):
+        self.last_tokens = None  # (a plain loss counts no token; a pair's count is taken below)
         if isinstance(result, tuple) and len(result) == 2:  # (loss_sum, num_tokens)
             loss_sum, num_tokens = result
             if not isinstance(num_tokens, (torch.Tensor, int, float)) or isinstance(num_tokens, bool):
@@ -117,11 +129,11 @@ class TokenMeanReduction(MeanReduction):
     def token_loss(self, loss_sum: torch.Tensor, num_tokens) -> torch.Tensor:
         """Record a micro-batch's real-token count; returns its per-token mean loss (what ``backward`` takes)."""
         n = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss_sum.device)
-        self._micro_tokens = n
+        self._micro_tokens = self.last_tokens = n
         return loss_sum / n.clamp(min=1)
 
     def note_tokens(self, num_tokens) -> None:
-        self._micro_tokens = num_tokens  # made a tensor on the loss's device at the backward
+        self._micro_tokens = self.last_tokens = num_tokens  # made a tensor on the loss's device at the backward
 
     def loss_weight(self, loss, where, num_tokens=None, share=1.0):
         n = self._micro_tokens if num_tokens is None else num_tokens
@@ -132,6 +144,7 @@ class TokenMeanReduction(MeanReduction):
         self._micro_tokens = None
         n = torch.as_tensor(n, dtype=torch.float32, device=loss.device)  # (the same tensor when it is one already)
         self.tokens = n if self.tokens is None else self.tokens + n
+        self.last_tokens = n
         return n.to(loss.dtype)  # back to the micro-batch's token sum; divided by the global count at the step
 
     def joined_loss(self, parts):
@@ -139,6 +152,7 @@ class TokenMeanReduction(MeanReduction):
         if len(parts) == 1:
             return parts[0][0]
         tokens = sum(weight for _, weight in parts)
+        self.last_tokens = tokens
         return super().joined_loss(parts) / tokens.clamp(min=1)
 
     def finish(self, params, closing):

@@ -176,3 +176,50 @@ def test_per_token_mean_across_two_ranks(tmp_path):
         got = json.loads((tmp_path / f"r{rank}").read_text())
         for p, q in zip(got, ref.parameters()):
             torch.testing.assert_close(torch.tensor(p), q.detach())
+
+
+@pytest.mark.parametrize("own_loss", [False, True], ids=["criterion-pair", "models-own-loss"])
+def test_the_loss_a_user_reads_under_per_token_mean_is_the_per_token_loss(launched, own_loss):
+    """LossHook weighed each batch's per-token mean by its samples: the epoch's Loss was not the per-token loss of
+    the set, and an evaluation on 2 ranks read other figures than on 1 (the batches split otherwise). Each loss is
+    weighed by its real tokens now, counted on the device (no host read per step: the syncs of a fit do not grow
+    with its steps)."""
+    from sync_counter import count_syncs
+
+    from colossal_lite.engine import ModelLoss
+    from colossal_lite.trainer import Trainer
+    from colossal_lite.trainer.hooks import LossHook
+
+    class OwnTokenLoss(torch.nn.Module):  # a Hugging Face style model: its own per-token mean loss
+        def __init__(self):
+            super().__init__()
+            self.inner = build()
+
+        def forward(self, x, y):
+            loss_sum, tokens = token_loss(self.inner(x), y)
+            return {"loss": loss_sum / tokens, "logits": self.inner(x)}
+
+    batches = token_batches()
+    data = [dict(x=x, y=y) for x, y in batches] if own_loss else batches
+    launched(dict(grad_reduction="per-token-mean"))
+
+    def fit(steps):
+        model = OwnTokenLoss() if own_loss else build()
+        criterion = ModelLoss(num_tokens=lambda b: (b["y"] != PAD).sum()) if own_loss else token_loss
+        engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), criterion,
+                                              data_process_func=(lambda b: (b, b["y"])) if own_loss else None,
+                                              verbose=False)
+        trainer = Trainer(engine)
+        with count_syncs() as calls:
+            trainer.fit(data * steps, epochs=1, test_dataloader=data, hooks=[LossHook()], log_dir=False)
+        return trainer, {method: len(where) for method, where in calls.items()}
+
+    trainer, syncs = fit(1)
+    with torch.no_grad():  # lr 0: the model is the initial one throughout, for training and evaluation alike
+        sums, tokens = zip(*(token_loss(build()(x), y) for x, y in batches))
+    per_token = (sum(sums) / sum(tokens)).item()
+    per_sample = sum(s / t * len(y) for s, t, (_, y) in zip(sums, tokens, batches)).item() / 7
+    assert abs(per_token - per_sample) > 1e-3  # (the two weighings are told apart on these batches)
+    assert trainer.history["train/Loss"][-1] == pytest.approx(per_token, rel=1e-6)
+    assert trainer.history["test/Loss"][-1] == pytest.approx(per_token, rel=1e-6)
+    assert fit(3)[1] == syncs

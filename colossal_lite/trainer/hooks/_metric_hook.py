@@ -197,7 +197,8 @@ class Metric:
 
 
 class _RatioMetric(Metric):
-    """An epoch value ``sum / count``: ``_sum`` a ``_RunningSum`` on the device, ``_count`` a host int.
+    """An epoch value ``sum / count``: ``_sum`` a ``_RunningSum`` on the device, ``_count`` a host int (or a 0-dim
+    device tensor, when the weights are counted on the device: a per-token mean's real tokens).
 
     Resumable inside an epoch (``partial_state``); read over all ranks with one all-reduce.
     """
@@ -208,12 +209,14 @@ class _RatioMetric(Metric):
         self._count = 0
 
     def partial_state(self) -> Dict[str, Any]:
-        return {**self._sum.state(), "count": self._count}
+        count = self._count.to("cpu", copy=True) if isinstance(self._count, torch.Tensor) else self._count
+        return {**self._sum.state(), "count": count}
 
     def load_partial_state(self, state: Dict[str, Any]) -> None:
         self.reset()
         self._sum.load_state(state, self.device)
-        self._count = int(state["count"])
+        count = state["count"]
+        self._count = count.to(self.device, copy=True) if isinstance(count, torch.Tensor) else int(count)
 
     def running_value(self):
         total = self._sum.peek()
@@ -221,13 +224,14 @@ class _RatioMetric(Metric):
 
     def _compute_accumulated(self) -> float:
         total = self._sum.value(self.device)
-        buf = torch.stack([total, torch.tensor(float(self._count), dtype=total.dtype, device=total.device)])
+        buf = torch.stack([total, torch.as_tensor(self._count, dtype=total.dtype, device=total.device)])
         value_sum, count = all_reduce_sum_(buf).tolist()
         return value_sum / count if count else float("nan")
 
 
 class LossMetric(_RatioMetric):
-    """Mean loss per sample over the epoch (each batch's mean loss weighted by its size), over all ranks.
+    """Mean loss per sample over the epoch (each batch's mean loss weighted by its size), over all ranks; per real
+    token under ``grad_reduction='per-token-mean'`` (each batch's per-token mean weighted by its tokens).
 
     An update adds the loss to a ``_RunningSum`` on the device (one small in-place kernel, no host sync).
     The sum of loss * samples is all-reduced once, when the epoch value is read.
@@ -246,8 +250,11 @@ class LossMetric(_RatioMetric):
             loss = _scalar(loss, "LossMetric: the loss")
         elif loss.requires_grad:  # a training loss: its graph (and any activation not yet freed) is not kept
             loss = loss.data  # (a detached alias, as ``detach()`` gives, made without a dispatched operator call)
-        self._sum.add(loss, num_samples)
-        self._count += num_samples
+        if isinstance(num_samples, torch.Tensor):  # a token count on the device: weighed there, never read per step
+            self._sum.add(loss * num_samples.to(loss.dtype))
+        else:
+            self._sum.add(loss, num_samples)
+        self._count = self._count + num_samples
         self._last = loss
         self._cached = None
 
@@ -498,13 +505,15 @@ def _samples(trainer, label) -> int:
 
 
 class LossHook(MetricHook):
-    """Train and test ``'Loss'``: the mean loss per sample of the epoch."""
+    """Train and test ``'Loss'``: the mean loss per sample of the epoch (per real token under
+    ``grad_reduction='per-token-mean'``)."""
 
     def __init__(self, priority: int = 0):
         super().__init__(priority)
 
     def after_hook_is_attached(self, trainer):
         self._check_metric_states_initialization(trainer)
+        self._reduction = trainer.engine.reduction  # (a per-token mean's losses are weighed by their tokens)
         device = device_of(trainer)
         self.train_loss = LossMetric(epoch_only=False, device=device)
         self.test_loss = LossMetric(epoch_only=True, device=device)
@@ -517,14 +526,14 @@ class LossHook(MetricHook):
     def after_train_iter(self, trainer, output, label, loss):
         if loss is not None:  # (``_samples``, its common case inline: this runs once per micro-step)
             shape = label.shape if type(label) is torch.Tensor else None
-            self.train_loss.update(loss, shape[0] if shape else _num_samples(trainer))
+            self.train_loss.update(loss, self._reduction.loss_count(shape[0] if shape else _num_samples(trainer)))
 
     def before_test_epoch(self, trainer):
         self.test_loss.reset()
 
     def after_test_iter(self, trainer, output, label, loss):
         if loss is not None:
-            self.test_loss.update(loss, _samples(trainer, label))
+            self.test_loss.update(loss, self._reduction.loss_count(_samples(trainer, label)))
 
 
 def logits_of(output: Any) -> Any:
