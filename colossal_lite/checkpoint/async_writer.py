@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..core import dist as cl_dist
 from .io import fsync_dir
 from .layout import SHARDED_DIR, remove
-from .sharded import sharded_checksums
+from .sharded import lowest_rank_planner, sharded_checksums
 from .staging import HostStage
 from .writer import FolderWrite, agree_written, commit_folder, write_error, write_rank_files
 
@@ -141,7 +141,7 @@ class AsyncSaves:
         try:
             writer = dcp.FileSystemWriter(str(job.tmp / SHARDED_DIR), sync_files=True)
             future = dcp.async_save(state, storage_writer=writer, process_group=self._group,
-                                    async_stager=self._sharded_stager())
+                                    async_stager=self._sharded_stager(), planner=lowest_rank_planner())
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = write_error(job, e)
         job.ranks.agree(error, f"checkpoint {job.target} was not written",

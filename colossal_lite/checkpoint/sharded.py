@@ -53,11 +53,20 @@ def verify_sharded(folder: PathLike, meta: Dict[str, Any]) -> None:
         verify_checksum(Path(folder) / SHARDED_DIR / name, value)
 
 
+def lowest_rank_planner():
+    """torch.distributed.checkpoint's planner, with a tensor every rank holds (not a DTensor: the BatchNorm statistics
+    that ZeRO 2/3 leave unsynced) saved from rank 0. Its default spreads such tensors over the ranks one by one,
+    so a layer's running mean could come from one rank and its running variance from another."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+
+
 def save_sharded(state: Dict[str, Any], folder: Path) -> None:
     """Every rank writes its shard of ``state`` (DTensors) with torch.distributed.checkpoint, then fsyncs."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True), planner=lowest_rank_planner())
     if folder.is_dir():
         fsync_dir(folder)
 

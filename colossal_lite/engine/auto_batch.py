@@ -50,6 +50,9 @@ class AutoMicroBatcher:
         engine.window.backward_done = True
         if world_size() > 1:
             self._reducer.reduce_gradients(engine.model)
+        # as after DDP's own synced forward, the next forward (the next batch's, an evaluation's, a prediction's)
+        # brings the ranks' buffers together: every piece ran without sync, which turned that off
+        engine.strategy.sync_buffers_at_next_forward(engine.model)
         return join_samples(outputs), loss
 
     @staticmethod

@@ -331,12 +331,17 @@ def train(accumulation, limit, batches):
         engine.zero_grad()
         engine.execute_schedule(it)
         engine.step()
-    return model
+    # the evaluation after training: its forward brings the ranks' buffers together, as after a synced step
+    engine.eval()
+    evaluated = engine.execute_schedule(iter([(x[:4], y[:4])]), forward_only=True)[0]["logits"]
+    return model, evaluated
 
-auto = train("auto", 8 if rank == 0 else 4, [(x, y), (x.flip(0), y.flip(0))])  # only rank 1 runs out
-fixed = train(2, 8, [(x[:4], y[:4]), (x[4:], y[4:]), (x.flip(0)[:4], y.flip(0)[:4]), (x.flip(0)[4:], y.flip(0)[4:])])
+auto, auto_eval = train("auto", 8 if rank == 0 else 4, [(x, y), (x.flip(0), y.flip(0))])  # only rank 1 runs out
+fixed, fixed_eval = train(2, 8, [(x[:4], y[:4]), (x[4:], y[4:]), (x.flip(0)[:4], y.flip(0)[:4]),
+                                 (x.flip(0)[4:], y.flip(0)[4:])])
 json.dump(dict(calls=auto.calls, equal=all(torch.equal(a, b) for a, b in zip(auto.state_dict().values(),
                                                                           fixed.state_dict().values())),
+               eval_equal=torch.equal(auto_eval, fixed_eval),
                mean=auto.body[1].running_mean.tolist()), open({out!r} + f".{{rank}}", "w"))
 gpc.destroy()
 '''
@@ -352,11 +357,14 @@ def test_two_ranks_under_ddp_with_buffers_split_together_when_one_runs_out(tmp_p
     script.write_text(DDP_BUFFERS_SCRIPT.format(folder=str(tmp_path), out=str(tmp_path / "res")))
     run_ranks(script, nproc=2, timeout=120)
     r0, r1 = (json.loads((tmp_path / f"res.{r}").read_text()) for r in (0, 1))
-    assert r0["calls"] == [8, 4, 4, 4, 4] and r1["calls"] == [8, 4, 4, 4, 4]
+    assert r0["calls"] == [8, 4, 4, 4, 4, 4] and r1["calls"] == [8, 4, 4, 4, 4, 4]  # (the last: the evaluation)
     # bit for bit as DDP's accumulation over the same pieces, buffers included (the ranks' own statistics differ
-    # after each forward, as under DDP: the broadcast is at the next one)
+    # after each training forward, as under DDP: the broadcast is at the next one)
     assert r0["equal"] and r1["equal"]
-    assert r0["mean"] != r1["mean"]
+    # and the evaluation after training reads rank 0's statistics on every rank, as after DDP's own steps (rank 1
+    # evaluated with its own: every piece ran without sync, which turned DDP's broadcast off)
+    assert r0["eval_equal"] and r1["eval_equal"]
+    assert r0["mean"] == r1["mean"]
 
 
 def test_the_split_the_run_settled_on_is_in_the_checkpoint(launched, tmp_path):
