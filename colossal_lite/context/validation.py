@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import numbers
 import warnings
 from pathlib import Path
@@ -49,7 +50,9 @@ def _is_bool(v):
 
 
 def _is_number(v):
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+    """A real, finite number: NaN passes every ``<``/``<=`` bound check (a NaN clip norm turned clipping off, a NaN
+    loss scale skipped every update) and inf is no setting either."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class _Checker:

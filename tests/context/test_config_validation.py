@@ -38,6 +38,12 @@ BAD_CONFIGS = [
     ("clip-negative", "clip_grad_norm = -1.0\n", 4, "clip_grad_norm", "number >= 0", "clip_grad_norm = 1.0"),
     ("clip-string", "clip_grad_norm = '1.0'\n", 4, "clip_grad_norm", "number >= 0", "clip_grad_norm = 1.0"),
     ("clip-bool", "clip_grad_norm = True\n", 4, "clip_grad_norm", "number >= 0", "clip_grad_norm = 1.0"),
+    # NaN passes every bound check (clipping turned off in silence) and inf is no setting (found by a probe)
+    ("clip-nan", "clip_grad_norm = float('nan')\n", 4, "clip_grad_norm", "got nan", "clip_grad_norm = 1.0"),
+    ("clip-inf", "clip_grad_norm = float('inf')\n", 4, "clip_grad_norm", "got inf", "clip_grad_norm = 1.0"),
+    ("fp16-nan-scale", "fp16 = dict(mode=AMP_TYPE.TORCH, init_scale=float('nan'))\n", 4, "fp16.init_scale", "got nan",
+     "init_scale=65536.0"),
+    ("dist-timeout-nan", "dist_timeout = float('nan')\n", 4, "dist_timeout", "seconds > 0", "dist_timeout = "),
     # gradient_accumulation
     ("accum-zero", "gradient_accumulation = 0\n", 4, "gradient_accumulation", "positive int", "write gradient_accumulation = 1"),
     ("accum-float", "gradient_accumulation = 2.5\n", 4, "gradient_accumulation", "positive int",
