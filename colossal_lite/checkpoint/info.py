@@ -28,9 +28,9 @@ def checkpoint_info(path: PathLike) -> Dict[str, Any]:
     ``ckpt merge`` wrote.
     """
     p = Path(path)
-    if is_single_file(p):
-        return _file_info(p)
     folder = resolve_path(p)
+    if is_single_file(p) or folder.is_file():  # (a small file that names no folder next to it is no pointer)
+        return _file_info(p)
     meta = read_meta(folder)
     files = {}
     for entry in sorted(folder.iterdir()):

@@ -289,6 +289,7 @@ def verify_records(path: PathLike) -> bool:
     same pages without reading the file again.
     """
     path = Path(path)
+    _require_torch_format(path)
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size == 0:
@@ -423,10 +424,27 @@ def load_single_file(path: PathLike) -> Any:
     return torch_load(path, verify_records(path))
 
 
+def _require_torch_format(path: Path) -> None:
+    """``path`` starts as ``torch.save`` files do: a zip archive, or (torch's legacy format) a pickle. A file in
+    neither (a metrics file, a note) would meet torch's own errors, which read as damage or danger."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return  # (the load names the error)
+    if not head or head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        return  # (an empty file is a truncated one: the load says so)
+    raise CheckpointError(f"{path} is not a checkpoint file: it is not in torch's save format (it begins with "
+                          f"{head!r}: a text file, such as a run's metrics.csv or metrics.jsonl?). Give a checkpoint "
+                          f"folder, a 'last'/'best' pointer next to them, or a file save_checkpoint or ckpt merge "
+                          f"wrote")
+
+
 def torch_load(path: Path, mapped: bool) -> Any:
     """``torch.load(path, weights_only=True)`` onto the CPU (``mapped``: on a memory map of the file), every
     failure named: ``UnsafeCheckpointError`` for a file that needs more than tensors and plain values (nothing in
     it runs), ``CheckpointDamagedError`` for one that cannot be parsed."""
+    _require_torch_format(path)
     try:
         with warnings.catch_warnings():  # a refused file gets our message below, not torch's protocol notice
             warnings.filterwarnings("ignore", message="Detected pickle protocol")

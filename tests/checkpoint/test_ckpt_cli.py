@@ -71,6 +71,20 @@ def test_errors_are_one_line_and_exit_1(tmp_path, capsys):
     assert not (tmp_path / "w.pt").exists()
 
 
+@pytest.mark.parametrize("name,text", [("metrics.csv", "step,epoch,name,value,time\n1,0,train/Loss,1.0,1.5\n"),
+                                       ("metrics.jsonl", '{"step": 1, "epoch": 0, "name": "x", "value": 1.0}\n'),
+                                       ("notes.txt", "some notes\n")])
+def test_a_file_that_is_not_a_checkpoint_is_named_so(tmp_path, capsys, name, text):
+    """A run folder's other files given by mistake: a raw IndexError from torch's unpickler (csv), a refusal as
+    if the file could run code (jsonl), a missing file (a short note, taken for a 'last' pointer; found by a probe)."""
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["ckpt", "info", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path} is not a checkpoint file: it is not in torch's save format"), err
+    assert "Give a checkpoint folder" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_register_adds_the_command_to_another_parser(run_dir, capsys):
     parser = argparse.ArgumentParser(prog="colossal-lite")
     sub = parser.add_subparsers(dest="command", required=True)
