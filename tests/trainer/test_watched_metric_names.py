@@ -71,6 +71,18 @@ def test_a_test_metric_in_a_run_without_a_test_loader_is_refused():
         trainer.fit(batches(2, 0), epochs=1, hooks=[LossHook(), EarlyStoppingHook("test/Loss")])
 
 
+def test_a_bare_test_only_name_in_a_run_without_a_test_loader_says_so():
+    """It said "no metric 'Accuracy' (did you mean 'Accuracy'?)", naming the metric it could not find as the one
+    meant (found by a probe)."""
+    from colossal_lite.nn.metric import Accuracy
+    from colossal_lite.trainer.hooks import AccuracyHook
+
+    trainer, _ = make_trainer()
+    with pytest.raises(ValueError, match=r"metric 'Accuracy' is a test metric here, but fit got no test_dataloader: "
+                                         r".*AccuracyHook\(\.\.\., track_train=True\)\) and name it 'train/Accuracy'"):
+        trainer.fit(batches(2, 0), epochs=1, hooks=[AccuracyHook(Accuracy()), EarlyStoppingHook("Accuracy")])
+
+
 def test_reduce_lr_on_plateau_needs_a_metric_and_refuses_an_unknown_one():
     _, optimizer = make_trainer()
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)

@@ -65,6 +65,10 @@ def resolve_metric(trainer, spec: str) -> Tuple[str, str]:
         phase, name = ("test" if will_test and spec in test else "train"), spec
     elif phase not in ("train", "test"):
         raise ValueError(f"metric {spec!r}: the part before '/' must be 'train' or 'test'")
+    if not sep and name not in train and name in test and not will_test:
+        raise ValueError(f"metric {spec!r} is a test metric here, but fit got no test_dataloader: give fit a "
+                         f"test_dataloader, or, for the train figure, a hook that computes it in training (e.g. "
+                         f"AccuracyHook(..., track_train=True)) and name it 'train/{name}'")
     if name not in metrics.get(phase, {}):
         kind = f"{phase} metric" if sep else "metric"
         raise ValueError(f"no {kind} {name!r}{_nearest(name, set(train) | set(test))}. The hooks of this run give "
