@@ -856,8 +856,17 @@ class Trainer:
     # -- test mode -----------------------------------------------------------------------------------
     def _test_mode(self, run: "_Run") -> TestModeResult:
         """One optimizer step (one window of micro-batches) and one eval batch through all hooks; then a verdict."""
-        st, engine = self.state, self._engine
+        st = self.state
         saved_progress, saved_hooks = st.state_dict(), self._hooks_test_mode_puts_back()
+        st.test_mode = True
+        try:
+            return self._test_mode_run(run, saved_progress, saved_hooks)
+        finally:
+            st.test_mode = False
+
+    def _test_mode_run(self, run: "_Run", saved_progress: Dict[str, Any], saved_hooks) -> TestModeResult:
+        """``_test_mode``'s run, with ``state.test_mode`` set (hooks that write files read it)."""
+        st, engine = self.state, self._engine
         engine.train()
         self.fire(Event.BEFORE_TRAIN)
         st.phase = "train"

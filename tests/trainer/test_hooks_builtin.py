@@ -287,6 +287,25 @@ def test_log_metric_by_epoch_hook_lines_and_interval():
     assert len(test) == 2
 
 
+def test_tensorboard_hook_writes_nothing_in_test_mode(tmp_path):
+    """A test-mode fit before the real one left its step-1 points in the event file, beside the real run's (a
+    second train point at step 1, an evaluation at step 1 that never happened; found by a probe)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    engine, _ = make_engine(make_model())
+    hook = TensorboardHook(str(tmp_path))
+    trainer = Trainer(engine)
+    kwargs = dict(test_dataloader=make_batches(2), hooks=[LossHook(), hook])
+    trainer.fit(make_batches(3), epochs=1, test_mode=True, **kwargs)
+    trainer.fit(make_batches(3), epochs=1, **kwargs)
+    hook.close()
+    acc = EventAccumulator(str(tmp_path / "global_rank_0"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("Loss/train")] == [1, 2, 3]
+    assert [e.step for e in acc.Scalars("Loss/test")] == [3]
+    assert not trainer.state.test_mode
+
+
 def test_tensorboard_hook_writes_readable_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -120,8 +120,8 @@ class TensorboardHook(BaseHook):
                 self._tracker.log_metrics({f"{name}/train": number}, step)
 
     def after_train_iter(self, trainer, *args):
-        if not (self._is_valid_rank_to_log and trainer.state.stepped):
-            return
+        if not (self._is_valid_rank_to_log and trainer.state.stepped) or trainer.state.test_mode:
+            return  # (test mode's step is put back: its points would stand beside the real run's)
         step = trainer.state.step
         full = False
         for name, metric in trainer.states["metrics"]["train"].items():
@@ -136,6 +136,8 @@ class TensorboardHook(BaseHook):
             self._flush_pending()
 
     def _write_epoch_values(self, trainer, phase: str, only_epoch_only: bool) -> None:
+        if trainer.state.test_mode:  # (every rank alike: the values' read below is a collective)
+            return
         values = [(name, metric.get_accumulated_value())  # on every rank: a collective
                   for name, metric in trainer.states["metrics"][phase].items()
                   if metric.epoch_only or not only_epoch_only]
