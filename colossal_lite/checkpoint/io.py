@@ -289,7 +289,7 @@ def verify_records(path: PathLike) -> bool:
     same pages without reading the file again.
     """
     path = Path(path)
-    _require_torch_format(path)
+    _require_torch_format(path)  # (a single file's first reader: a file given by mistake is named as such here)
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size == 0:
@@ -444,7 +444,6 @@ def torch_load(path: Path, mapped: bool) -> Any:
     """``torch.load(path, weights_only=True)`` onto the CPU (``mapped``: on a memory map of the file), every
     failure named: ``UnsafeCheckpointError`` for a file that needs more than tensors and plain values (nothing in
     it runs), ``CheckpointDamagedError`` for one that cannot be parsed."""
-    _require_torch_format(path)
     try:
         with warnings.catch_warnings():  # a refused file gets our message below, not torch's protocol notice
             warnings.filterwarnings("ignore", message="Detected pickle protocol")

@@ -30,23 +30,20 @@ class AutoMicroBatcher:
         loss counts tokens in), split as often as needed; returns (output, loss)."""
         where = engine.enter_micro_batch(where)
         n = batch_len(data)
-        started, before = self.parts, _TryState(engine.model)
-        while True:
-            parts = min(self.parts, n)
+        before = _TryState(engine.model)
+
+        def attempt(parts):
             # each try's first forward brings the ranks' buffers together, as DDP does at an unaccumulated step's
             # (every piece runs without gradient sync, which would otherwise stop it after the first try)
             engine.strategy.sync_buffers_at_next_forward(engine.model)
-            try:
-                outputs, loss = self._forward_backward(engine, batch, data, label, parts, n, where)
-                ok = True
-            except torch.OutOfMemoryError:
-                ok, outputs, loss = False, [], None
-            if not ok and torch.cuda.is_available():
-                torch.cuda.empty_cache()  # out of the except block: the failed try's tensors (its traceback) are gone
-            if all_agree(ok, engine.device):
-                break
+            return self._forward_backward(engine, batch, data, label, parts, n, where)
+
+        def undo():
             before.restore()
-            self._retry_in_more_parts(engine, parts, n, started)
+            engine.precision.zero_grad(engine.model, engine.optimizer)
+            engine.reduction.reset()  # (the failed try's token counts: each batch is a window of its own)
+
+        (outputs, loss), self.parts = self._split_until_it_fits(engine, n, self.parts, "batch", attempt, undo)
         engine.window.backward_done = True
         if world_size() > 1:
             self._reducer.reduce_gradients(engine.model)
@@ -75,14 +72,6 @@ class AutoMicroBatcher:
             losses.append((loss.detach(), weight))
         return outputs, engine.reduction.joined_loss(losses)
 
-    def _retry_in_more_parts(self, engine, parts: int, n: int, started: int) -> None:
-        engine.precision.zero_grad(engine.model, engine.optimizer)
-        engine.reduction.reset()  # (the failed try's token counts: each batch is a window of its own)
-        if parts >= n:
-            self.parts = started  # (the next batch starts where this one did, not at pieces of one sample)
-            raise _unsplittable("batch", n)
-        self.parts = self._more_parts(parts, n, "batch")
-
     def evaluate(self, engine, batch, data, label, with_loss: bool):
         """Evaluation's forward of one placed batch (``data``, ``label``: its split), in as many pieces as memory
         needs, all ranks agreeing (a sharded model gathers its weights at every forward) -> (output, loss).
@@ -92,24 +81,36 @@ class AutoMicroBatcher:
         gradient reduction (a mean's weighed by samples, a sum's added, a token mean's by the tokens
         ``ModelLoss(num_tokens=...)`` counts)."""
         n = batch_len(data)
-        started = self.eval_parts
+
+        def attempt(parts):
+            outputs = [call_with(engine.run_model, d) for d in split_samples(data, parts, n)]
+            output = join_samples(outputs)
+            loss = self._evaluation_loss(engine, batch, label, outputs, output, parts, n) if with_loss else None
+            return output, loss
+
+        result, self.eval_parts = self._split_until_it_fits(engine, n, self.eval_parts, "evaluation batch", attempt)
+        return result
+
+    def _split_until_it_fits(self, engine, n: int, parts: int, what: str, attempt, undo=None):
+        """``attempt(pieces)`` on the ``n`` samples of a ``what`` in ``parts`` pieces (at most ``n``), the split doubled
+        after every try that ran out of memory on some rank (all ranks agree: one flag read per try); ``undo()``
+        puts back what a failed try changed. -> (the result, the split to start the next one with). One that fits
+        in no split raises, and the caller's split stays as it was (not pieces of one sample)."""
         while True:
-            parts = min(self.eval_parts, n)
+            pieces = min(parts, n)
             try:
-                outputs = [call_with(engine.run_model, d) for d in split_samples(data, parts, n)]
-                output = join_samples(outputs)
-                loss = self._evaluation_loss(engine, batch, label, outputs, output, parts, n) if with_loss else None
-                ok = True
+                result, ok = attempt(pieces), True
             except torch.OutOfMemoryError:
-                ok, outputs, output, loss = False, None, None, None
+                result, ok = None, False
             if not ok and torch.cuda.is_available():
-                torch.cuda.empty_cache()
+                torch.cuda.empty_cache()  # out of the except block: the failed try's tensors (its traceback) are gone
             if all_agree(ok, engine.device):
-                return output, loss
-            if parts >= n:
-                self.eval_parts = started
-                raise _unsplittable("evaluation batch", n)
-            self.eval_parts = self._more_parts(parts, n, "evaluation batch")
+                return result, parts
+            if undo is not None:
+                undo()
+            if pieces >= n:
+                raise _unsplittable(what, n)
+            parts = self._more_parts(pieces, n, what)
 
     @staticmethod
     def _evaluation_loss(engine, batch, label, outputs, output, parts: int, n: int):

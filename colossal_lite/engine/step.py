@@ -133,7 +133,6 @@ class TrainStep:
         if keep == 0 and drop_all_rows(rec):
             engine.schedule.current_batch = rec.batch
 
-
     def evaluate(self, batch: Any, data: Any, label: Any, with_loss: bool):
         """Evaluation's forward and loss of a placed batch (no loss: None) -> (output, loss)."""
         output = call_with(self.forward, data)
