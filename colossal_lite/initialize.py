@@ -95,6 +95,24 @@ def _engine_config(launch_config, overrides):
     return merged
 
 
+def _warn_of_another_global_batch(logger, launch_config, config, overrides, world_size: int) -> None:
+    """An engine given its own gradient_accumulation trains on another global batch than the config's
+    ``global_batch_size``, which the launch log states: say so, since it may be meant (a GAN's discriminator)."""
+    if not overrides or "gradient_accumulation" not in overrides:
+        return
+    micro, glob = config.get("micro_batch_size"), config.get("global_batch_size")
+    accum = setting(config, "gradient_accumulation") or 1
+    if micro is None or glob is None or accum == "auto" or micro * world_size * accum == glob:
+        return
+    where = launch_config._where("global_batch_size") if isinstance(launch_config, Config) else "<dict config>"
+    logger.warning(
+        f"initialize(config=dict(gradient_accumulation={overrides['gradient_accumulation']!r})): this engine's "
+        f"global batch is micro_batch_size x data-parallel size x gradient_accumulation = {micro} x {world_size} x "
+        f"{accum} = {micro * world_size * accum} samples per optimizer step, not the config's global_batch_size = "
+        f"{glob} ({where}), which the other engines keep. Leave gradient_accumulation out of initialize(config=...) "
+        f"to train on the configured batch, or ignore this if the engine is meant to differ", ranks=[0])
+
+
 def _check_criterion(criterion):
     if criterion is None:
         return
@@ -231,10 +249,13 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     if ophooks:
         raise ValueError("initialize(ophooks=...): op-hooks (Gemini) are not supported by colossal_lite; remove the argument")
     _check_launched()
-    config = _engine_config(gpc.config if gpc.config is not None else {}, config)
+    launch_config = gpc.config if gpc.config is not None else {}
+    overrides = config
+    config = _engine_config(launch_config, overrides)
     logger = get_dist_logger()
     _check_criterion(criterion)
     world_size = gpc.get_world_size()
+    _warn_of_another_global_batch(logger, launch_config, config, overrides, world_size)
     _check_micro_batch_size(config, train_dataloader, world_size)
     model = _build_model(model)
 

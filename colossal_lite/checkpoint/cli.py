@@ -80,11 +80,14 @@ def format_info(info: Dict[str, Any]) -> str:
     if info.get("checksums"):
         lines.append(f"  checksums: {info['checksums']}")
     lines.append(f"  files ({format_bytes(info['total_bytes'])} in all):")
+    width = max([16, *map(len, info["files"])])
     for name, n in info["files"].items():
-        lines.append(f"    {name:<16} {format_bytes(n):>10}")
+        lines.append(f"    {name:<{width}} {format_bytes(n):>10}")
     entries = info.get("entries") or {}
     if entries:
-        lines.append("  tensor data by entry:")
+        sharded = info.get("sharded_bytes")
+        lines.append("  tensor data by entry" + ("" if sharded is None else
+                     f" (the model and optimizer state are in sharded/, {format_bytes(sharded)}, not below)") + ":")
         for name, n in entries.items():
             lines.append(f"    {name:<16} {format_bytes(n):>10}")
     return "\n".join(lines)

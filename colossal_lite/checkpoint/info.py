@@ -15,9 +15,10 @@ from .io import (
     verify_checksum,
     verify_records,
 )
-from .layout import POINTERS, read_meta
+from .layout import POINTERS, SHARDED_DIR, read_meta
 from .merged import MERGED_KEY, is_merged, merged_meta
-from .pointers import is_single_file, read_pointer, resolve_path
+from .pointers import read_pointer, resolve_path
+from .sharded import has_sharded_state
 
 
 def checkpoint_info(path: PathLike) -> Dict[str, Any]:
@@ -29,13 +30,11 @@ def checkpoint_info(path: PathLike) -> Dict[str, Any]:
     """
     p = Path(path)
     folder = resolve_path(p)
-    if is_single_file(p) or folder.is_file():  # (a small file that names no folder next to it is no pointer)
+    if folder.is_file():
         return _file_info(p)
     meta = read_meta(folder)
-    files = {}
-    for entry in sorted(folder.iterdir()):
-        if entry.is_file():
-            files[entry.name] = entry.stat().st_size
+    files = {entry.relative_to(folder).as_posix(): entry.stat().st_size
+             for entry in sorted(folder.rglob("*")) if entry.is_file()}
     pointers = [w for w in POINTERS if read_pointer(folder.parent / w) == folder.name]
     damaged = _damaged_files(folder, meta)
     return {
@@ -45,6 +44,8 @@ def checkpoint_info(path: PathLike) -> Dict[str, Any]:
         "world_size": meta.get("world_size"), "created_utc": meta.get("created_utc"), "files": files,
         "total_bytes": sum(files.values()), "entries": meta.get("entries", {}), "pointers": pointers,
         "damaged": damaged, "checksums": _checksum_summary(meta, damaged),
+        "sharded_bytes": (sum(n for name, n in files.items() if name.startswith(SHARDED_DIR + "/"))
+                          if has_sharded_state(folder) else None),
     }
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from .io import CheckpointNotFoundError, PathLike, atomic_write_text
-from .layout import META_FILE, read_meta
+from .layout import META_FILE, POINTERS, read_meta
 
 POINTER_MAX_BYTES = 4096  # a larger file is a checkpoint file, never a pointer
 
@@ -29,10 +29,27 @@ def write_pointer(pointer: Path, name: str) -> None:
     atomic_write_text(pointer, name + "\n")
 
 
+def pointer_target(path: Path) -> Optional[Path]:
+    """The checkpoint folder the file ``path`` points to, or None when the file is no pointer: a pointer is a
+    small file naming a folder beside it, so any other file (a checkpoint file, a note) is taken as a file.
+    A ``last``/``best`` file naming a folder that is gone raises, naming both."""
+    name = read_pointer(path) if path.stat().st_size < POINTER_MAX_BYTES else None
+    if name is None:
+        return None
+    target = path.parent / name
+    if target.is_dir():
+        return target
+    if path.name in POINTERS:
+        raise CheckpointNotFoundError(f"{path} points to {name}, which is not in {path.parent} (removed by hand?): "
+                                      f"give one of the checkpoint folders there instead")
+    return None
+
+
 def is_single_file(path: PathLike) -> bool:
-    """True for a single-file checkpoint (``save_checkpoint``), False for folders and ``last``/``best`` pointers."""
+    """True for a single-file checkpoint (``save_checkpoint``, ``ckpt merge``) or another file given as one,
+    False for folders and ``last``/``best`` pointers."""
     p = Path(path)
-    return p.is_file() and (p.stat().st_size >= POINTER_MAX_BYTES or read_pointer(p) is None)
+    return p.is_file() and pointer_target(p) is None
 
 
 def resolve_path(which: PathLike, checkpoint_dir: Optional[PathLike] = None) -> Path:
@@ -43,10 +60,10 @@ def resolve_path(which: PathLike, checkpoint_dir: Optional[PathLike] = None) -> 
         candidates.append(Path(checkpoint_dir) / which)
     for path in candidates:
         if path.is_file():
-            target = read_pointer(path) if path.stat().st_size < POINTER_MAX_BYTES else None
-            if target is None or not (path.parent / target).is_dir():
+            target = pointer_target(path)
+            if target is None:
                 return path  # a single file: read_checkpoint takes one ckpt merge wrote, and says what to do with others
-            path = path.parent / target
+            path = target
         if path.is_dir():
             if not (path / META_FILE).exists() and (path / "last").is_file():
                 target = read_pointer(path / "last")

@@ -88,13 +88,18 @@ class Config(dict):
 
 
 class ConfigSource:
-    """Where a config came from, and the line of each key written in it."""
+    """Where a config came from, and the line of each key written in it; ``elsewhere``: the source of each
+    top-level key the file took from a sibling file (``from base_config import *``)."""
 
-    def __init__(self, path: Path, lines: Dict[Tuple[str, ...], int]):
+    def __init__(self, path: Path, lines: Dict[Tuple[str, ...], int],
+                 elsewhere: Optional[Dict[str, "ConfigSource"]] = None):
         self.path = path
         self.lines = lines
+        self.elsewhere = elsewhere or {}
 
     def where(self, path: Tuple[str, ...]) -> str:
+        if path and path[0] in self.elsewhere:
+            return self.elsewhere[path[0]].where(path)
         line = self.line_of(path)
         return f"{self.path}:{line}" if line else str(self.path)
 
@@ -158,15 +163,30 @@ def load_config_file(filename) -> Config:
     """
     path = _config_path(filename)
     tree = _parse(path)
-    module = _execute_isolated(tree, path)
+    module, siblings = _execute_isolated(tree, path)
     values: Dict[str, Any] = {}
     for name, value in module.__dict__.items():
         if name.startswith("_") or inspect.ismodule(value) or inspect.isclass(value):
             continue
         values[name] = value
     config = Config(values)
-    object.__setattr__(config, "_source", ConfigSource(path, _key_lines(tree)))
+    lines = _key_lines(tree)
+    object.__setattr__(config, "_source", ConfigSource(path, lines, _sibling_sources(values, lines, siblings)))
     return config
+
+
+def _sibling_sources(values: Dict[str, Any], lines, siblings: Dict[Path, Dict[str, Any]]) -> Dict[str, ConfigSource]:
+    """The sibling file that assigns each top-level key the config file took from it without assigning it."""
+    found: Dict[str, ConfigSource] = {}
+    for file, namespace in siblings.items():
+        try:
+            source = ConfigSource(file, _key_lines(_parse(file)))
+        except (ConfigException, OSError, UnicodeDecodeError):
+            continue  # a file we cannot read again: its keys keep the config's own place
+        for name, value in values.items():
+            if (name,) not in lines and (name,) in source.lines and namespace.get(name, source) is value:
+                found.setdefault(name, source)
+    return found
 
 
 def _config_path(filename) -> Path:
@@ -191,8 +211,9 @@ def _parse(path: Path) -> ast.Module:
         raise ConfigException(f"{path}:{e.lineno}: syntax error in config: {e.msg}\n    {(e.text or '').rstrip()}") from None
 
 
-def _execute_isolated(tree: ast.Module, path: Path) -> types.ModuleType:
-    """The config run as a module of its own, with its folder importable while it runs and forgotten after."""
+def _execute_isolated(tree: ast.Module, path: Path) -> Tuple[types.ModuleType, Dict[Path, Dict[str, Any]]]:
+    """The config run as a module of its own, with its folder importable while it runs and forgotten after;
+    with the namespace of each sibling ``.py`` file it imported from that folder (for the places of its keys)."""
     module_name = f"_colossal_lite_config_{uuid.uuid4().hex}"
     module = types.ModuleType(module_name)
     module.__file__ = str(path)
@@ -212,11 +233,15 @@ def _execute_isolated(tree: ast.Module, path: Path) -> types.ModuleType:
         sys.modules.pop(module_name, None)
         # forget the sibling modules and packages (and their submodules) imported from the config's folder
         new_names = set(sys.modules) - modules_before
+        siblings = {}
         for name in [n for n in new_names if n.partition(".")[0] in new_names
                      and _found_in(sys.modules.get(n.partition(".")[0]), path.parent)]:
-            sys.modules.pop(name, None)
+            sibling = sys.modules.pop(name, None)
+            file = getattr(sibling, "__file__", None)
+            if file and file.endswith(".py"):
+                siblings[Path(file).resolve()] = dict(vars(sibling))
         sys.path[:] = path_before
-    return module
+    return module, siblings
 
 
 def _line_in(error: BaseException, path: Path) -> Optional[int]:

@@ -260,7 +260,7 @@ def load_checkpoint(file, model: nn.Module, optimizer: Optional[torch.optim.Opti
 
 def _is_pointer(path: Path) -> bool:
     """A ``last``/``best`` pointer file naming a checkpoint folder next to it (not a small checkpoint file)."""
-    return path.is_file() and not is_single_file(path) and resolve_path(path).is_dir()
+    return path.is_file() and not is_single_file(path)
 
 
 def _folder_state(path: Path) -> Tuple[Path, Dict[str, Any]]:

@@ -1,6 +1,7 @@
 """``ckpt info`` and ``ckpt export``."""
 import argparse
 import re
+import shutil
 
 import pytest
 import torch
@@ -74,15 +75,31 @@ def test_errors_are_one_line_and_exit_1(tmp_path, capsys):
 @pytest.mark.parametrize("name,text", [("metrics.csv", "step,epoch,name,value,time\n1,0,train/Loss,1.0,1.5\n"),
                                        ("metrics.jsonl", '{"step": 1, "epoch": 0, "name": "x", "value": 1.0}\n'),
                                        ("notes.txt", "some notes\n")])
-def test_a_file_that_is_not_a_checkpoint_is_named_so(tmp_path, capsys, name, text):
+@pytest.mark.parametrize("command", ["info", "export"])
+def test_a_file_that_is_not_a_checkpoint_is_named_so(tmp_path, capsys, name, text, command):
     """A run folder's other files given by mistake: a raw IndexError from torch's unpickler (csv), a refusal as
-    if the file could run code (jsonl), a missing file (a short note, taken for a 'last' pointer; found by a probe)."""
+    if the file could run code (jsonl), a missing file (a short note, taken for a 'last' pointer; found by a probe,
+    in export after info was mended)."""
     path = tmp_path / name
     path.write_text(text)
-    assert main(["ckpt", "info", str(path)]) == 1
+    assert main(["ckpt", command, str(path)] + ([str(tmp_path / "w.pt")] if command == "export" else [])) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path} is not a checkpoint file: it is not in torch's save format"), err
     assert "Give a checkpoint folder" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "w.pt").exists()
+
+
+@pytest.mark.parametrize("command", ["info", "export"])
+def test_a_pointer_to_a_removed_folder_names_both(run_dir, capsys, command):
+    ck = run_dir[0]
+    target = (ck / "last").read_text().strip()
+    shutil.rmtree(ck / target)
+    out = ck.parent / "w.pt"
+    assert main(["ckpt", command, str(ck / "last")] + ([str(out)] if command == "export" else [])) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: {ck / 'last'} points to {target}, which is not in {ck} (removed by hand?): give one of " \
+                  f"the checkpoint folders there instead\n", err
+    assert not out.exists()
 
 
 def test_register_adds_the_command_to_another_parser(run_dir, capsys):

@@ -20,6 +20,7 @@ from dist_helpers import run_ranks
 
 from colossal_lite.checkpoint import CheckpointDamagedError, CheckpointError, CheckpointManager
 from colossal_lite.checkpoint.cli import main as ckpt_main
+from colossal_lite.checkpoint.io import format_bytes
 from colossal_lite.utils import load_checkpoint, save_checkpoint
 
 COMMON = textwrap.dedent("""
@@ -197,6 +198,18 @@ def test_ckpt_export_reads_the_shards_and_info_describes_the_merged_file(stage3_
     assert f"merged from: {folder} (resumes with any number of ranks and any zero stage)" in out
     assert "epoch: 0   step: 2" in out and "2 rank(s)" in out and "zero = {'stage': 3}" in out
     assert "checksums: every record matches the CRC-32 recorded in the file" in out
+
+    # the folder itself: its shards listed with their sizes, and said to hold what the entries do not
+    # (the listing stopped at the folder's top, and showed the engine entry as 0 B; found by a probe)
+    assert ckpt_main(["ckpt", "info", str(folder)]) == 0
+    out = capsys.readouterr().out
+    shards = sorted(p for p in (folder / "sharded").iterdir() if p.is_file())
+    assert len(shards) >= 3  # .metadata and a file per rank
+    for shard in shards:
+        assert re.search(rf"^    sharded/{re.escape(shard.name)} +{re.escape(format_bytes(shard.stat().st_size))}$",
+                         out, re.M), out
+    total = format_bytes(sum(p.stat().st_size for p in shards))
+    assert f"tensor data by entry (the model and optimizer state are in sharded/, {total}, not below):" in out, out
 
     assert ckpt_main(["ckpt", "merge", str(ck / "merged.pt"), str(tmp_path / "again.pt")]) == 1
     assert f"error: {ck / 'merged.pt'} is already a single file: ckpt merge reads a checkpoint folder" in \

@@ -190,6 +190,33 @@ def test_bad_config_message_names_file_line_key_and_fix(tmp_path, case):
     assert "Fix: " in msg and fix in msg.split("Fix: ", 1)[1], msg
 
 
+@pytest.mark.parametrize("package", [False, True], ids=["sibling-file", "sibling-package"])
+@pytest.mark.parametrize("case", BAD_CONFIGS[:6] + BAD_CONFIGS[-3:], ids=[c[0] for c in BAD_CONFIGS[:6] + BAD_CONFIGS[-3:]])
+def test_a_bad_key_from_a_base_config_is_named_at_its_line_there(tmp_path, case, package):
+    """``from base_config import *`` in the config: the message named config.py with no line (found by a probe)."""
+    _, body, line, key, problem, fix = case
+    folder = tmp_path / "cfgpkg" if package else tmp_path
+    folder.mkdir(exist_ok=True)
+    if package:
+        (folder / "__init__.py").write_text("")
+    base = _write(folder, body, "base_config.py")
+    path = tmp_path / "config.py"
+    path.write_text(f"from {'cfgpkg.' if package else ''}base_config import *\nNUM_EPOCHS = 4\n")
+    with pytest.raises(ConfigException) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{base}:{line}: "), msg
+    assert f"config key '{key}'" in msg and problem in msg and fix in msg.split("Fix: ", 1)[1], msg
+
+
+def test_a_key_the_config_sets_again_is_named_in_the_config_not_its_base(tmp_path):
+    (tmp_path / "base_config.py").write_text("clip_grad_norm = 1.0\ngradient_accumulation = 2\n")
+    path = tmp_path / "config.py"
+    path.write_text("from base_config import *\nclip_grad_norm = -1.0\n")
+    with pytest.raises(ConfigException, match=f"^{path}:2: config key 'clip_grad_norm'"):
+        load_config(path)
+
+
 @pytest.mark.parametrize("case", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])
 def test_bad_dict_config_names_the_key_and_fix(case):
     """The same checks for a config given as a dict (no file, so no line)."""

@@ -129,6 +129,30 @@ def test_get_dataloader_takes_micro_batch_size_and_initialize_accepts_it(launche
     assert len(next(iter(train_loader))[0]) == 16 and engine.window.size == 4
 
 
+@pytest.mark.parametrize("accumulation,engine_batch", [(2, 8), (None, 4), (4, None)])
+def test_an_engine_with_its_own_accumulation_names_the_global_batch_it_trains_on(launched, tmp_path, capfd,
+                                                                                 accumulation, engine_batch):
+    """An engine's own gradient_accumulation under a config whose global_batch_size implies another was taken
+    without a word, while the launch log states the config's batch (found by a probe)."""
+    path = tmp_path / "cfg.py"
+    path.write_text("micro_batch_size = 4\nglobal_batch_size = 16\n")
+    launched(str(path))
+    loader = get_dataloader(_dataset())
+    engine, *_ = colossal_lite.initialize(make_model(), _sgd, torch.nn.CrossEntropyLoss(), loader, verbose=False,
+                                          config=dict(gradient_accumulation=accumulation))
+    assert engine.window.size == (accumulation or 1)
+    out = capfd.readouterr()
+    warnings = [line for line in (out.out + out.err).splitlines() if "global batch" in line]
+    if engine_batch is None:  # 4 x 1 x 4 = 16: the configured batch, nothing to say
+        assert warnings == []
+        return
+    assert len(warnings) == 1, warnings
+    assert (f"initialize(config=dict(gradient_accumulation={accumulation!r})): this engine's global batch is "
+            f"micro_batch_size x data-parallel size x gradient_accumulation = 4 x 1 x {accumulation or 1} = "
+            f"{engine_batch} samples per optimizer step, not the config's global_batch_size = 16 "
+            f"({path.resolve()}:2)") in warnings[0], warnings
+
+
 def test_nonfinite_loss_reaches_the_engine_and_the_summary(launched):
     launched()
     engine, *_ = colossal_lite.initialize(make_model(), _sgd, verbose=False)
