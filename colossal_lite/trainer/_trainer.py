@@ -616,7 +616,9 @@ class Trainer:
         for epoch in epochs:  # (no epoch limit: a loader without len and a length in steps)
             if st.max_steps_reached:
                 break
-            self._train_epoch(run, epoch, checkpoints)
+            if st.stop_training or not self._train_epoch(run, epoch, checkpoints):  # (asked before a batch ran)
+                self._stops_after(epoch)
+                break
             if checkpoints.preempted:
                 break
             self._evaluate_after_epoch(run)
@@ -667,7 +669,9 @@ class Trainer:
             return True
         return False
 
-    def _train_epoch(self, run: "_Run", epoch: int, checkpoints: Optional[CheckpointSession] = None) -> None:
+    def _train_epoch(self, run: "_Run", epoch: int, checkpoints: Optional[CheckpointSession] = None) -> bool:
+        """One epoch from ``state.batch_idx`` on; False when a hook stopped the run in ``before_train_epoch``:
+        the epoch did not start, so it has no end events and no record."""
         st, engine, timer = self.state, self._engine, self._run_timer
         engine.train()
         st.phase = "train"
@@ -685,13 +689,17 @@ class Trainer:
         preempted = self._train_loop(run, data_iter, progress, boundary)
         timer.stop("Train-epoch", keep_in_history=True)
         progress.close(st.batch_idx - skip)
+        if st.stop_training and st.batch_idx == skip:
+            timer.reset("Train-epoch")
+            return False
         if not st.epoch_finished:
             self._note_cut_epoch()
         if preempted:  # the checkpoint is written; the epoch did not end, so no epoch-end events
-            return
+            return True
         self.check_losses_finite()  # (nonfinite_loss='raise': before the epoch's metrics are read and logged)
         self.fire(Event.AFTER_TRAIN_EPOCH)
         timer.reset("Train-epoch")
+        return True
 
     def _train_loop(self, run: "_Run", data_iter: Iterator, progress, boundary=None, until_step: bool = False) -> bool:
         """The epoch's micro-batches from ``state.batch_idx`` on, one training step each, with the iteration's
@@ -701,7 +709,7 @@ class Trainer:
         max_steps = st.max_steps if st.max_steps is not None else math.inf
         epoch = SizedEpoch(engine.window, data_iter, st.iters_per_epoch) if st.iters_per_epoch is not None \
             else UnsizedEpoch(engine.window, data_iter, st)
-        while epoch.has(st.batch_idx):
+        while not st.stop_training and epoch.has(st.batch_idx):  # (a stop asked in before_train_epoch: none runs)
             for fn in h.before_train_iter:
                 fn(self)
             timer.start("Train-step")  # (a step's time includes loading its batch, or without len its read-ahead)
@@ -727,7 +735,7 @@ class Trainer:
             output = label = st.output = st.loss = None
             if where.last and self._after_optimizer_step(run, progress, boundary):
                 return True
-            if st.stop_training or st.step >= max_steps:
+            if st.step >= max_steps:
                 break
         return False
 

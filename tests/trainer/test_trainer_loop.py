@@ -457,6 +457,51 @@ def test_stop_training_flag_and_state_dict_round_trip():
     assert other.cur_step == 4 and counter.n == 4  # resumed inside epoch 0: one batch left; the count went on
 
 
+@pytest.mark.parametrize("event,at_epoch", [("before_train", 0), ("before_train_epoch", 0), ("before_train_epoch", 1)])
+def test_a_stop_asked_before_a_batch_runs_trains_no_batch(event, at_epoch):
+    """A stop set in before_train or before_train_epoch ran one more micro-batch (an update without accumulation,
+    half a window thrown away with it) and recorded an empty epoch (Loss nan) with its end events (found by a
+    probe): the epoch does not start, the run ends as the epochs before it left it."""
+    class Stop(BaseHook):
+        pass
+
+    def stop(self, trainer):
+        if trainer.cur_epoch == at_epoch:
+            trainer.state.stop_training, trainer.state.stop_reason = True, "budget spent"
+    setattr(Stop, event, stop)
+    logs = []
+
+    class ListLogger:
+        def info(self, msg):
+            logs.append(msg)
+
+    reference = make_model()
+    ref_engine, _ = make_engine(reference, accumulation=2)
+    Trainer(ref_engine).fit(make_batches(4), epochs=at_epoch, hooks=[LossHook()])  # (0 epochs: untouched)
+    model = make_model()
+    engine, _ = make_engine(model, accumulation=2)
+    events = Recorder()
+    trainer = Trainer(engine, logger=ListLogger())
+    trainer.fit(make_batches(4), epochs=3, hooks=[Stop(), LossHook(), events])
+    for a, b in zip(model.state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(a, b)
+    assert trainer.cur_step == 2 * at_epoch and (trainer.cur_epoch, trainer.state.batch_idx) == (at_epoch, 0)
+    assert events.calls.count("before_train_iter") == 4 * at_epoch
+    assert events.calls.count("after_train_epoch") == at_epoch and events.calls[-2:] == ["after_train", "after_hook_is_detached"]
+    _check_one_finite_loss_per_epoch(at_epoch, trainer)
+    assert f"Training stopped at epoch {at_epoch}, step {2 * at_epoch}: budget spent" in logs
+    # the next fit starts the epoch the stop kept from starting
+    trainer.fit(make_batches(4), epochs=at_epoch + 1, hooks=[LossHook()])
+    assert trainer.cur_step == 2 * (at_epoch + 1) and trainer.cur_epoch == at_epoch + 1
+
+
+def _check_one_finite_loss_per_epoch(epochs, trainer):
+    """One finite train Loss per epoch that ran, at its last step (none for the epoch that did not start)."""
+    series = trainer.history.series("train/Loss") if "train/Loss" in trainer.history.names else []
+    assert [step for step, _ in series] == [2 * (e + 1) for e in range(epochs)]
+    assert all(value == value for _, value in series)  # (not NaN)
+
+
 def test_evaluate_and_predict():
     model = make_model()
     engine, _ = make_engine(model)
