@@ -176,7 +176,9 @@ class TorchAMPPrecision(FP32Precision):
 
 
 class DynamicGradScaler:
-    """Loss scale for naive fp16: back off after ``hysteresis`` overflows, grow after ``growth_interval`` good steps."""
+    """Loss scale for naive fp16, as legacy Colossal-AI's: the first ``hysteresis - 1`` overflows are tolerated,
+    then every overflow backs the scale off until the scale grows again (after ``growth_interval`` good steps in
+    a row, which also restores the tolerance)."""
 
     def __init__(self, initial_scale: float = _NAIVE["initial_scale"], growth_factor: float = _NAIVE["growth_factor"],
                  backoff_factor: float = _NAIVE["backoff_factor"], growth_interval: int = _NAIVE["growth_interval"],
@@ -199,7 +201,6 @@ class DynamicGradScaler:
                 self.scale *= self.backoff_factor
                 if self.min_scale is not None:
                     self.scale = max(self.scale, self.min_scale)
-                self._hysteresis_left = self.hysteresis
         else:
             self._good_steps += 1
             if self._good_steps >= self.growth_interval:

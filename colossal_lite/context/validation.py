@@ -109,6 +109,8 @@ class _Checker:
                       "--set fp16.mode=naive (O3-like)" if cli else _apex_fix(value.get("opt_level")))
         options = {None: {}, AMP_TYPE.TORCH: TORCH_AMP_OPTIONS, AMP_TYPE.NAIVE: NAIVE_AMP_OPTIONS,
                    AMP_TYPE.BF16: BF16_OPTIONS}[mode]
+        if mode is AMP_TYPE.NAIVE and "clip_grad_norm" in value:
+            value = self._legacy_naive_clipping(value)
         for opt, v in value.items():
             if opt == "mode":
                 continue
@@ -123,6 +125,26 @@ class _Checker:
             v = value["backoff_factor"]
             self.fail(("fp16", "backoff_factor"), "must be between 0 and 1 (the loss scale is multiplied by it)",
                       f"write backoff_factor={py(round(1 / v, 4)) if v > 1 else options['backoff_factor']}")
+
+    def _legacy_naive_clipping(self, value: dict) -> dict:
+        """Legacy naive fp16 took the clipping norm in its own dict (``FP16Optimizer(clip_grad_norm=...)``): it is
+        read as the top-level ``clip_grad_norm``, in the config itself, with an info line that says so."""
+        norm = value["clip_grad_norm"]
+        if not _is_number(norm) or norm < 0:
+            self.fail(("fp16", "clip_grad_norm"), f"expected a number >= 0 (the max global L2 norm; 0 turns clipping "
+                      f"off), got {norm!r}", "write clip_grad_norm = 1.0 at the top level of the config and remove it here")
+        top = self.config.get("clip_grad_norm")
+        if top is not None and top != norm:
+            self.fail(("fp16", "clip_grad_norm"), f"is {py(norm)} while the top-level clip_grad_norm is {py(top)}",
+                      "keep one: the top-level clip_grad_norm")
+        rest = {k: v for k, v in value.items() if k != "clip_grad_norm"}
+        self.config["fp16"] = rest
+        if norm > 0:
+            self.config["clip_grad_norm"] = norm
+        get_dist_logger().info(f"{self.config._where('fp16', 'clip_grad_norm')}: config key 'fp16.clip_grad_norm': the "
+                               f"legacy naive fp16 option is read as clip_grad_norm = {py(norm)} (the top-level key)",
+                               ranks=[0])
+        return rest
 
     def _unknown_amp_option(self, mode, opt, options):
         accepted = ", ".join(options) or "no options"
@@ -424,7 +446,7 @@ def validate_config(config: Config) -> List[str]:
     """Raise ``ConfigException`` on the first bad feature key; return the warnings issued."""
     checker = _Checker(config)
     notes: List[str] = []
-    for key, value in config.items():
+    for key, value in list(config.items()):  # (a legacy form may add the key it is read as)
         if not isinstance(key, str) or key.isupper() or key.startswith("_"):
             continue
         if key in FEATURE_KEYS:

@@ -1,5 +1,6 @@
 """colossal_lite.amp.convert_to_amp: the legacy "AMP modularity" flow in a plain PyTorch loop, on CPU."""
 import copy
+import math
 
 import pytest
 import torch
@@ -137,12 +138,17 @@ def launched():
     gpc.destroy()
 
 
+@pytest.mark.parametrize("legacy_form", [False, True], ids=["top-level-clip", "clip-in-fp16"])
 @pytest.mark.parametrize("clip", [0.0, 0.3])
-def test_naive_amp_matches_the_engine_step_for_step(launched, clip):
-    """The same fp16 config through initialize + the Engine loop and through convert_to_amp + a plain loop."""
+def test_naive_amp_matches_the_engine_step_for_step(launched, clip, legacy_form):
+    """The same fp16 config through initialize + the Engine loop and through convert_to_amp + a plain loop.
+    ``legacy_form``: the clipping norm inside the fp16 dict, as legacy naive fp16 took it (refused before; found
+    by a probe): read as the top-level key."""
     fp16 = dict(mode=AMP_TYPE.NAIVE, initial_scale=2.0 ** 12, growth_interval=3)
     batches = make_batches(5)
-    launched(dict(fp16=fp16, clip_grad_norm=clip))
+    launched(dict(fp16={**fp16, "clip_grad_norm": clip}) if legacy_form else dict(fp16=fp16, clip_grad_norm=clip))
+    if legacy_form:
+        assert "clip_grad_norm" not in gpc.config.fp16 and gpc.config.get("clip_grad_norm") == (clip or None)
     engine_model = make_model()
     engine, _, _, _ = colossal_lite.initialize(engine_model, torch.optim.Adam(engine_model.parameters(), lr=0.01),
                                                nn.CrossEntropyLoss(), verbose=False)
@@ -164,6 +170,45 @@ def test_naive_amp_matches_the_engine_step_for_step(launched, clip):
         for p, q in zip(model.parameters(), engine_model.parameters()):
             assert torch.equal(p, q)
     assert amp_opt.loss_scale == engine.precision.loss_scale > 2.0 ** 12  # it grew, the same way
+
+
+def test_naive_clipping_in_the_fp16_dict_and_at_the_top_level_must_agree():
+    from colossal_lite.context import ConfigException
+    from colossal_lite.launch import load_config
+    same = load_config(dict(fp16=dict(mode=AMP_TYPE.NAIVE, clip_grad_norm=1.0), clip_grad_norm=1.0))
+    assert same.clip_grad_norm == 1.0 and dict(same.fp16) == {"mode": AMP_TYPE.NAIVE}
+    with pytest.raises(ConfigException, match=r"config key 'fp16.clip_grad_norm': is 0.5 while the top-level "
+                                              r"clip_grad_norm is 1.0. Fix: keep one: the top-level clip_grad_norm"):
+        load_config(dict(fp16=dict(mode=AMP_TYPE.NAIVE, clip_grad_norm=0.5), clip_grad_norm=1.0))
+    with pytest.raises(ConfigException, match=r"config key 'fp16.clip_grad_norm': expected a number >= 0"):
+        load_config(dict(fp16=dict(mode=AMP_TYPE.NAIVE, clip_grad_norm=-1)))
+    with pytest.raises(ConfigException, match=r"config key 'fp16.clip_grad_norm': not an option of mode TORCH"):
+        load_config(dict(fp16=dict(mode=AMP_TYPE.TORCH, clip_grad_norm=1.0)))  # (legacy's GradScaler took none)
+
+
+def test_naive_loss_scale_backs_off_at_every_overflow_after_the_hysteresis_as_legacy_did():
+    """Legacy's DynamicGradScaler counts overflows and resets the count only when the scale grows: after
+    ``hysteresis`` overflows every further one backs off. Ours reset the count at each back-off, so a run of
+    overflows halved the scale every second step (10 overflows from 2**32: 2**27, not 2**23; found by a probe)."""
+    from colossal_lite.amp.precision import DynamicGradScaler
+    scaler = DynamicGradScaler(initial_scale=2.0 ** 32, growth_interval=3, hysteresis=2)
+    seen = []
+    for _ in range(10):
+        scaler.update(True)
+        seen.append(math.log2(scaler.scale))
+    assert seen == [32, 31, 30, 29, 28, 27, 26, 25, 24, 23]
+    for _ in range(3):  # the scale grows: the tolerance is back
+        scaler.update(False)
+    assert math.log2(scaler.scale) == 24
+    scaler.update(True)
+    assert math.log2(scaler.scale) == 24  # tolerated
+    scaler.update(True)
+    assert math.log2(scaler.scale) == 23
+    state = scaler.state_dict()
+    again = DynamicGradScaler(initial_scale=1.0, growth_interval=3, hysteresis=2)
+    again.load_state_dict(state)
+    again.update(True)  # the resumed scaler backs off at once, as the uninterrupted one would
+    assert math.log2(again.scale) == 22
 
 
 def test_apex_is_refused_and_unknown_options_name_the_known_ones():
