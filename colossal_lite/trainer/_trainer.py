@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 
+from ..checkpoint.rng import capture_rng_state, restore_rng_state
 from ..core.dist import all_reduce_min_, is_rank_0, log_rank_0
 from ..core.global_context import global_context as gpc
 from ..engine.batch import call_with, move_to_device
@@ -170,8 +171,22 @@ def _iterate_from(loader, iters: Optional[int], skip: int) -> Iterator:
     A loader restored with ``load_state_dict`` already starts there; a ``get_dataloader`` loader is moved
     by its sampler (nothing is loaded); other loaders are read and the first ``skip`` batches dropped (exact
     when the loader yields the same batches each time it is iterated).
+
+    Inside an epoch the random generators are left as they were: what starting the iterator draws (a plain
+    ``DataLoader`` draws its base seed from torch's generator) and what reading the skipped batches draws, the
+    run being resumed drew before its checkpoint, whose generators the resume has put back already.
     """
-    if skip == 0 or (iters is not None and _loader_len(loader) == iters - skip):
+    if skip == 0:
+        return iter(loader)
+    rng = capture_rng_state()
+    try:
+        return _iterator_at(loader, iters, skip)
+    finally:
+        restore_rng_state(rng)
+
+
+def _iterator_at(loader, iters: Optional[int], skip: int) -> Iterator:
+    if iters is not None and _loader_len(loader) == iters - skip:
         return iter(loader)
     if isinstance(getattr(loader, "sampler", None), DataParallelSampler):
         skip_batches(loader, skip)

@@ -181,3 +181,38 @@ def test_a_run_stopped_by_max_steps_inside_an_epoch_resumes_exactly_with_a_per_e
     assert [p.name for p in saved(tmp_path / "ck")] == ["epoch0-step11", "epoch1-step16"]
     resumed, *_ = train({}, ck=tmp_path / "ck", by_epoch=True, resume="auto", interval=1)
     assert_same(resumed, want, "resumed after a max_steps stop inside epoch 1")
+
+
+class Jittered(Counting):
+    """An augmentation drawn from the global RNG in the main process (num_workers=0), as torchvision's do."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x + 0.1 * torch.randn(x.shape), y
+
+
+@pytest.mark.parametrize("dataset", [Counting, Jittered], ids=["plain-dataset", "augmented-dataset"])
+@pytest.mark.slow  # takes seconds without starting a process
+def test_a_plain_dataloader_resumes_mid_epoch_exactly(tmp_path, dataset):
+    """A plain DataLoader (no shuffle) draws its base seed from torch's generator when an iteration starts, and
+    an augmented dataset draws per sample: resumed mid-epoch, the new iterator's draw and the skipped batches'
+    draws came after the restored generator state, so dropout took other masks from there on (found by a probe;
+    get_dataloader's loaders draw nothing from it)."""
+    def run(ck=None, resume=None, max_steps=None):
+        gpc.destroy()
+        colossal_lite.launch_from_torch(config={}, seed=5, verbose=False)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 3))
+        engine, loader, _, _ = colossal_lite.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.01),
+                                                        nn.CrossEntropyLoss(), DataLoader(dataset(), batch_size=4),
+                                                        verbose=False)
+        hooks = [LossHook()] + ([SaveCheckpointHook(1, ck)] if ck else [])
+        torch.manual_seed(123 if resume else 7)  # (what the resume must not depend on)
+        Trainer(engine).fit(loader, epochs=2, max_steps=max_steps, hooks=hooks, resume_from=resume)
+        return [t.detach().clone() for t in model.state_dict().values()]
+
+    want = run()
+    run(ck=tmp_path / "ck", max_steps=16)  # epoch 1, batch 5 of 11
+    assert [p.name for p in saved(tmp_path / "ck")] == ["epoch0-step11", "epoch1-step16"]
+    got = run(resume=tmp_path / "ck" / "epoch1-step16")
+    assert_same(got, want, "resumed mid-epoch on a plain DataLoader")
