@@ -233,6 +233,35 @@ def test_train_accuracy_and_output_label_requirement():
         trainer.evaluate(make_batches(1), hooks=[AccuracyHook(Accuracy())], return_output_label=False)
 
 
+def test_two_accuracies_need_two_names_and_each_reads_its_own():
+    """imagenet's main.py reports Acc@1 and Acc@5: a second AccuracyHook replaced the first's metric without a
+    word, so the history's 'Accuracy' was the top-5 figure (found by a probe)."""
+    def top2(logits, targets):
+        return (logits.topk(2, dim=1).indices == targets.view(-1, 1)).any(dim=1).sum()
+
+    model = make_model()
+    engine, _ = make_engine(model)
+    test = make_batches(3, sizes=[4, 4, 2], seed=3)
+    with pytest.raises(ValueError, match=r"AccuracyHook reports the test metric 'Accuracy', which another hook of "
+                                         r"this run reports already, and would replace it: give one of them another "
+                                         r"name, e.g. AccuracyHook\(..., name='Accuracy_top5'\)"):
+        Trainer(engine).evaluate(test, hooks=[AccuracyHook(Accuracy()), AccuracyHook(top2)])
+    with pytest.raises(ValueError, match=r"LossHook reports the train metric 'Loss'.*: keep one LossHook"):
+        Trainer(engine).fit(make_batches(2), epochs=1, hooks=[LossHook(), LossHook()])
+    with pytest.raises(ValueError, match=r"AccuracyHook\(name='a/b'\)"):
+        AccuracyHook(top2, name="a/b")
+    trainer = Trainer(engine)
+    history = trainer.fit(make_batches(2), epochs=1, test_dataloader=test,
+                          hooks=[AccuracyHook(Accuracy()), AccuracyHook(top2, name="Accuracy_top2", track_train=True)])
+    x, y = torch.cat([b[0] for b in test]), torch.cat([b[1] for b in test])
+    with torch.no_grad():
+        logits = model(x)
+    assert history["test/Accuracy"] == [pytest.approx((logits.argmax(-1) == y).float().mean().item())]
+    assert history["test/Accuracy_top2"] == [pytest.approx(top2(logits, y).item() / len(y))]
+    assert history["test/Accuracy_top2"] != history["test/Accuracy"]
+    assert "train/Accuracy_top2" in history.names and "train/Accuracy" not in history.names
+
+
 @pytest.mark.slow  # takes seconds without starting a process
 def test_accuracy_hook_accepts_torchmetrics():
     torchmetrics = pytest.importorskip("torchmetrics")

@@ -489,6 +489,16 @@ class MetricHook(BaseHook):
         metrics.setdefault("train", {})
         metrics.setdefault("test", {})
 
+    def _register_metric(self, trainer, phase: str, name: str, metric: Any, fix: str = "") -> None:
+        """Put ``metric`` at ``trainer.states['metrics'][phase][name]``; a name another hook of the run put there
+        already is refused: the second would replace the first in every reader (history, log, best checkpoint)."""
+        metrics = trainer.states["metrics"][phase]
+        if name in metrics:
+            raise ValueError(f"{type(self).__name__} reports the {phase} metric '{name}', which another hook of this "
+                             f"run reports already, and would replace it: "
+                             + (fix or f"keep one {type(self).__name__}"))
+        metrics[name] = metric
+
 
 def _num_samples(trainer) -> int:
     """Samples in the batch loaded last (1 when it has no batch dimension); 0 for an evaluation batch that was
@@ -517,8 +527,8 @@ class LossHook(MetricHook):
         device = device_of(trainer)
         self.train_loss = LossMetric(epoch_only=False, device=device)
         self.test_loss = LossMetric(epoch_only=True, device=device)
-        trainer.states["metrics"]["train"]["Loss"] = self.train_loss
-        trainer.states["metrics"]["test"]["Loss"] = self.test_loss
+        self._register_metric(trainer, "train", "Loss", self.train_loss)
+        self._register_metric(trainer, "test", "Loss", self.test_loss)
 
     def before_train_epoch(self, trainer):
         self.train_loss.reset()
@@ -572,14 +582,21 @@ class AccuracyHook(MetricHook):
     ``colossal_lite.nn.metric.Accuracy()``); a ``torchmetrics`` metric is also accepted.
     ``logits_from(output)`` and ``labels_from(label)`` say where the logits and the targets are; by default a
     dict output (a Hugging Face ``ModelOutput``) gives its ``'logits'`` and a dict label its ``'labels'``.
+    ``name``: the metric's name, so that one run can report two accuracies (``AccuracyHook(Accuracy(topk=5),
+    name='Accuracy_top5')`` beside the top-1 one).
     """
 
     def __init__(self, accuracy_func: Callable, priority: int = 0, track_train: bool = False,
-                 logits_from: Optional[Callable] = None, labels_from: Optional[Callable] = None):
+                 logits_from: Optional[Callable] = None, labels_from: Optional[Callable] = None,
+                 name: str = "Accuracy"):
         super().__init__(priority)
         if not callable(accuracy_func):
             raise TypeError(f"AccuracyHook(accuracy_func=...) must be callable (logits, targets) -> number correct, "
                             f"e.g. colossal_lite.nn.metric.Accuracy(); got {accuracy_func!r}")
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"AccuracyHook(name={name!r}): give the metric's name as a non-empty string without '/', "
+                             f"e.g. 'Accuracy_top5'")
+        self.name = name
         self.accuracy_func = accuracy_func
         self.track_train = bool(track_train)
         self.logits_from = _checked_function(logits_from, logits_of, "logits_from")
@@ -601,11 +618,12 @@ class AccuracyHook(MetricHook):
         self._check_metric_states_initialization(trainer)
         device = device_of(trainer)
         self.metric = self._make(True, device)
-        trainer.states["metrics"]["test"]["Accuracy"] = self.metric
+        fix = "give one of them another name, e.g. AccuracyHook(..., name='Accuracy_top5')"
+        self._register_metric(trainer, "test", self.name, self.metric, fix)
         self.train_metric = None
         if self.track_train:
             self.train_metric = self._make(False, device)
-            trainer.states["metrics"]["train"]["Accuracy"] = self.train_metric
+            self._register_metric(trainer, "train", self.name, self.train_metric, fix)
 
     @staticmethod
     def _check(output, label):
@@ -698,7 +716,8 @@ class LRSchedulerHook(MetricHook):
         if self.store_lr_in_state:  # the metric and state.lr read the scheduler when asked: nothing per step
             self.metric = LearningRateMetric(epoch_only=self.by_epoch, device=device_of(trainer),
                                              source=self._current_lr)
-            trainer.states["metrics"]["train"]["LR"] = self.metric
+            self._register_metric(trainer, "train", "LR", self.metric,
+                                  "pass store_lr_in_state=False to all but one LRSchedulerHook")
             trainer.state.follow_lr(self._current_lr)
 
     def _step(self, *args) -> None:
@@ -760,8 +779,8 @@ class ThroughputHook(MetricHook):
         device = device_of(trainer)
         self.train_metric = ThroughputMetric(epoch_only=True, device=device, **self._options)
         self.test_metric = ThroughputMetric(epoch_only=True, device=device, **dict(self._options, ignored_steps=0))
-        trainer.states["metrics"]["train"]["Throughput"] = self.train_metric
-        trainer.states["metrics"]["test"]["Throughput"] = self.test_metric
+        self._register_metric(trainer, "train", "Throughput", self.train_metric)
+        self._register_metric(trainer, "test", "Throughput", self.test_metric)
 
     def _tick(self, metric: ThroughputMetric, trainer) -> None:
         now = time.perf_counter()
