@@ -100,7 +100,8 @@ def test_a_checkpoint_holds_the_whole_run_and_hooks_add_their_own_entries(tmp_pa
     assert shared["trainer"]["progress"] == {"epoch": 1, "step": 5, "iteration": 10, "batch_idx": 0}
     assert set(shared["trainer"]["hooks"]["EarlyStoppingHook.0"]) == {"best", "best_epoch", "wait"}
     assert shared["hooks"] == {"extra": {"saved_at_step": 5}}
-    assert shared["colossal_lite"] == {"version": colossal_lite.__version__, "world_size": 1, "format": 1}
+    assert shared["colossal_lite"] == {"version": colossal_lite.__version__, "world_size": 1, "format": 1,
+                                       "batches_per_epoch": 10}
     assert set(rank["rng"]) >= {"python", "torch"}
     assert rank["data"]["sampler"] == {"epoch": 1, "offset": 0}
     assert rank["hooks"]["extra"].tolist() == [5]

@@ -128,7 +128,9 @@ def trainer_checkpoint_state(trainer, train_loader=None) -> Tuple[Dict[str, Any]
         "lr_schedulers": hooks["lr_schedulers"],
         "trainer": dict(parts, hooks=hooks["trainer"]),
         "hooks": {},
-        "colossal_lite": {"version": __version__, "world_size": world_size(), "format": TRAINER_FORMAT},
+        # (the epoch's length in batches per rank: a checkpoint inside an epoch lines up only with it)
+        "colossal_lite": {"version": __version__, "world_size": world_size(), "format": TRAINER_FORMAT,
+                          "batches_per_epoch": trainer.state.iters_per_epoch},
     }
     checkpoint = dict(shared, rank_state=rank_state)
     trainer.fire("on_save_checkpoint", checkpoint)

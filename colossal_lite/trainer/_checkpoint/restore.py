@@ -57,6 +57,8 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
     """
     if train_loader is None and trainer.checkpoints is not None:
         train_loader = trainer.checkpoints.train_loader
+    if not finetune:
+        _check_epoch_lines_up(trainer, path, shared)
     same_world = _same_world(shared)
     rank_state = rank_state if rank_state is not None else {}
     try:
@@ -80,6 +82,24 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
     trainer.fire("on_load_checkpoint", dict(shared, rank_state=rank_state))
     _restore_rank_state(trainer, path, shared, rank_state, train_loader, same_world)
     return path
+
+
+def _check_epoch_lines_up(trainer, path: Path, shared: Dict[str, Any]) -> None:
+    """A checkpoint inside an epoch holds how many batches of it each rank trained on: with another number of
+    batches per epoch (another batch size, number of ranks or data set) they no longer cover the samples already
+    trained, and the run would skip or repeat the rest of the epoch. Refused, on every rank alike, before anything
+    is loaded."""
+    done = int(((shared.get("trainer") or {}).get("progress") or {}).get("batch_idx") or 0)
+    meta = shared.get("colossal_lite") or {}
+    saved, now = meta.get("batches_per_epoch"), trainer.state.iters_per_epoch
+    if not done or saved is None or now is None or saved == now:
+        return
+    raise CheckpointError(
+        f"checkpoint {path} was taken inside an epoch, after {done} of its {saved} batches per rank "
+        f"({meta.get('world_size')} rank(s)), but this run's epoch has {now} batches per rank ({world_size()} "
+        f"rank(s)): another batch size, number of ranks or data set, whose batches do not line up with the ones "
+        f"already trained, so the rest of the epoch would be skipped or repeated. Fix: resume with the batch size, "
+        f"number of ranks and data the checkpoint was taken with, or resume from a checkpoint taken at an epoch's end")
 
 
 def _restore_save_times(trainer, path: Path) -> None:
