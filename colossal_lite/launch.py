@@ -81,6 +81,7 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
     else:
         _start_group(backend, rank, world_size, host, port, timeout, device)
     gpc.finish_launch()
+    gpc.detect_num_processes_on_current_node()
     gpc.set_seed(seed)
     if verbose:
         get_dist_logger().info(

@@ -10,6 +10,7 @@ import atexit
 import gc
 import os
 import random
+import socket
 import sys
 import time
 import weakref
@@ -36,6 +37,7 @@ class GlobalContext:
         self._device: Optional[torch.device] = None
         self.verbose = False
         self.seed: Optional[int] = None
+        self.num_processes_on_current_node = -1  # legacy's value before launch; launch detects it
         self._engines = weakref.WeakSet()  # engines built by initialize(); detached from the group on destroy()
 
     @property
@@ -113,7 +115,23 @@ class GlobalContext:
     get_cpu_group = get_group
 
     def get_ranks_in_group(self, parallel_mode: Optional[ParallelMode] = None):
+        """The global ranks in this process's group of ``parallel_mode``: all of them for the data-parallel
+        modes; for a model-parallel mode (a group of one process here) this process's own rank."""
+        if not self._is_data(parallel_mode):
+            return [self.get_global_rank()]
         return list(range(self.get_world_size(parallel_mode)))
+
+    def get_next_global_rank(self, parallel_mode: ParallelMode) -> int:
+        """The global rank after this one in its group of ``parallel_mode``, wrapping around (legacy's ring order)."""
+        return self._neighbour(parallel_mode, 1)
+
+    def get_prev_global_rank(self, parallel_mode: ParallelMode) -> int:
+        """The global rank before this one in its group of ``parallel_mode``, wrapping around."""
+        return self._neighbour(parallel_mode, -1)
+
+    def _neighbour(self, parallel_mode, offset: int) -> int:
+        ranks = self.get_ranks_in_group(parallel_mode)
+        return ranks[(ranks.index(self.get_global_rank()) + offset) % len(ranks)]
 
     def is_first_rank(self, parallel_mode: Optional[ParallelMode] = None) -> bool:
         return self.get_local_rank(parallel_mode or ParallelMode.GLOBAL) == 0
@@ -137,6 +155,46 @@ class GlobalContext:
 
     tensor_parallel_size = 1
     pipeline_parallel_size = 1
+    virtual_pipeline_parallel_size = None  # legacy set these only for an interleaved pipeline, which there is not
+    virtual_pipeline_parallel_rank = None
+
+    def detect_num_processes_on_current_node(self) -> int:
+        """Count the processes of the group on this machine (by host name) into ``num_processes_on_current_node``.
+        A collective, as in legacy: every rank calls it (``launch`` does)."""
+        host = socket.gethostname()
+        if _dist_ready() and dist.get_world_size() > 1:
+            hosts: List[Optional[str]] = [None] * dist.get_world_size()
+            dist.all_gather_object(hosts, host)
+        else:
+            hosts = [host]
+        self.num_processes_on_current_node = hosts.count(host)
+        return self.num_processes_on_current_node
+
+    def check_sanity(self) -> None:
+        """Legacy's check that the world is data x pipeline x tensor parallel; here pipeline and tensor are 1."""
+        product = self.data_parallel_size * self.pipeline_parallel_size * self.tensor_parallel_size
+        if product != self.world_size:
+            raise RuntimeError(f"world size {self.world_size} is not data ({self.data_parallel_size}) x pipeline "
+                               f"({self.pipeline_parallel_size}) x tensor ({self.tensor_parallel_size}) parallel size")
+
+    def init_global_dist(self, rank: int, world_size: int, backend: str, host: str, port: int) -> None:
+        """Legacy's first step of ``launch``; here ``launch`` starts the group (after checking the config), so
+        this call is refused with the call to write instead."""
+        if _dist_ready():
+            raise RuntimeError("gpc.init_global_dist: the process group is already running (launch started it); "
+                               "remove the call")
+        raise RuntimeError(f"gpc.init_global_dist is not supported by colossal_lite: start the group with "
+                           f"colossal_lite.launch(config, rank={rank}, world_size={world_size}, host={host!r}, "
+                           f"port={port}, backend={backend!r}), which also checks the config, sets the device and "
+                           f"the seed (in place of load_config + init_global_dist + init_parallel_groups)")
+
+    def init_parallel_groups(self) -> None:
+        """Legacy's second step of ``launch``, which made a group per parallel mode. With data parallelism only,
+        every mode is answered from the one group ``launch`` started, so there is nothing to make: after
+        ``launch`` this does nothing, before it it is refused (the group does not exist yet)."""
+        if not _dist_ready():
+            raise RuntimeError("gpc.init_parallel_groups: no process group is running; call colossal_lite.launch "
+                               "(or launch_from_torch), which starts it; every ParallelMode then uses that group")
 
     # -- device and seeds --------------------------------------------------------------------
     @property
@@ -193,6 +251,7 @@ class GlobalContext:
         self._config = None
         self._device = None
         self._local_rank = None
+        self.num_processes_on_current_node = -1
 
 
 global_context = GlobalContext()

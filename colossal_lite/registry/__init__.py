@@ -14,7 +14,8 @@ OPTIMIZERS = Registry("optimizers", third_party_library=["torch.optim", "torch.d
 DATASETS = Registry("datasets", third_party_library=["torchvision.datasets"])
 TRANSFORMS = Registry("transforms", third_party_library=["torchvision.transforms"])
 HOOKS = Registry("hooks")
-LR_SCHEDULERS = Registry("lr_schedulers")
+# legacy's schedulers were registered by ``import colossalai``; here by their first lookup
+LR_SCHEDULERS = Registry("lr_schedulers", third_party_library=["colossal_lite.nn.lr_scheduler"])
 DATA_SAMPLERS = Registry("data_samplers")
 SCHEDULE = Registry("schedules")
 GRADIENT_HANDLER = Registry("gradient_handler")

@@ -63,13 +63,23 @@ def get_latest_checkpoint_pattern(suffix: str = "") -> str:
     return rf"epoch(\d+)-tp0-pp0{re.escape(suffix)}\.pt$"
 
 
+def legacy_epoch_files(checkpoint_dir, suffix: str = "") -> Dict[int, Path]:
+    """The legacy v0.1 files ``epoch{E}-tp0-pp0{suffix}.pt`` in ``checkpoint_dir`` by epoch ``E`` (files only)."""
+    pattern = re.compile(get_latest_checkpoint_pattern(suffix))
+    found: Dict[int, Path] = {}
+    for entry in Path(checkpoint_dir).iterdir():
+        m = pattern.match(entry.name)
+        if m and entry.is_file():
+            found[int(m.group(1))] = entry
+    return found
+
+
 def get_latest_checkpoint_path(checkpoint_dir, suffix: str = "") -> str:
     """The legacy v0.1 file of the highest epoch in ``checkpoint_dir``; FileNotFoundError when there is none."""
-    pattern = re.compile(get_latest_checkpoint_pattern(suffix))
-    found = [(int(m.group(1)), name) for name in os.listdir(checkpoint_dir) if (m := pattern.match(name))]
+    found = legacy_epoch_files(checkpoint_dir, suffix)
     if not found:
         raise FileNotFoundError(f"no checkpoint file epoch<N>-tp0-pp0{suffix}.pt in {checkpoint_dir}")
-    return os.path.join(str(checkpoint_dir), max(found)[1])
+    return os.path.join(str(checkpoint_dir), found[max(found)].name)
 
 
 # -- legacy single-file checkpoints ----------------------------------------------------------------

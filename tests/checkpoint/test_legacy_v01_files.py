@@ -10,7 +10,7 @@ from torch import nn
 import colossal_lite
 from colossal_lite.core import global_context as gpc
 from colossal_lite.trainer import Trainer
-from colossal_lite.trainer.hooks import BaseHook, LossHook, SaveCheckpointHook
+from colossal_lite.trainer.hooks import BaseHook, LoadCheckpointHook, LossHook, SaveCheckpointHook
 from colossal_lite.utils import get_checkpoint_path, get_latest_checkpoint_path
 
 
@@ -53,3 +53,46 @@ def test_one_file_per_epoch_that_a_legacy_reader_loads(tmp_path):
 def test_latest_path_names_the_folder_when_there_is_no_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"no checkpoint file epoch<N>-tp0-pp0.pt in {tmp_path}"):
         get_latest_checkpoint_path(tmp_path)
+
+
+def _run(epochs, hooks, seed=0):
+    """A small legacy trainer program; the model after ``fit(epochs)`` with ``hooks``."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine, loader, _, _ = colossal_lite.initialize(model, optimizer, nn.CrossEntropyLoss(), batches, verbose=False)
+    trainer = Trainer(engine)
+    trainer.fit(loader, epochs=epochs, hooks=hooks, display_progress=False)
+    return model, trainer
+
+
+def _same(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_load_checkpoint_hook_finds_the_legacy_files_in_their_folder(tmp_path):
+    folder = tmp_path / "ck"
+    _run(3, [SaveCheckpointHook(1, get_checkpoint_path(folder, "{epoch}"))])
+    straight, _ = _run(5, [])
+    latest, trainer = _run(5, [LoadCheckpointHook(str(folder))], seed=1)  # epoch=-1: epoch2-tp0-pp0.pt
+    assert trainer.cur_step == 15 and _same(latest, straight)
+    from_1, trainer = _run(5, [LoadCheckpointHook(str(folder), epoch=1)], seed=1)
+    assert trainer.cur_step == 15 and _same(from_1, straight)
+    with pytest.raises(FileNotFoundError, match=r"LoadCheckpointHook\(epoch=4\): no file epoch4-tp0-pp0\.pt in "
+                                                r".*ck; it has the files of epochs \[0, 1, 2\]"):
+        _run(5, [LoadCheckpointHook(str(folder), epoch=4)])
+
+
+def test_load_checkpoint_hook_suffix_is_legacys_fifth_argument(tmp_path):
+    folder = tmp_path / "ck"
+    _run(2, [SaveCheckpointHook(1, get_checkpoint_path(folder, "{epoch}", "-run1"))])
+    straight, _ = _run(4, [])
+    # legacy's positional order: (checkpoint_dir, epoch, finetune, strict, suffix, priority)
+    resumed, trainer = _run(4, [LoadCheckpointHook(str(folder), -1, False, False, "-run1")], seed=1)
+    assert trainer.cur_step == 12 and _same(resumed, straight)
+    assert LoadCheckpointHook(str(folder), -1, False, False, "-run1", 3).priority == 3
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint in .*ck \(neither checkpoint folders nor legacy "
+                                                r"files epoch<N>-tp0-pp0\.pt\)"):
+        _run(4, [LoadCheckpointHook(str(folder))])  # the files have another suffix

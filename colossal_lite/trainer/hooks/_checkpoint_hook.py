@@ -17,6 +17,7 @@ from ...checkpoint.manager import is_single_file, read_meta
 from ...checkpoint.merged import is_merged, split_merged
 from ...core.dist import is_rank_0, log_rank_0, rank, world_size
 from ...utils.checkpointing import (
+    legacy_epoch_files,
     load_checkpoint_state,
     refuse_window_on_ranks,
     remove_stale_temp_files,
@@ -280,22 +281,30 @@ class LoadCheckpointHook(BaseHook):
     Args:
         checkpoint_dir: a folder of checkpoints (``SaveCheckpointHook``'s), one checkpoint folder, a
             ``last``/``best`` pointer, a file ``colossal-lite ckpt merge`` wrote (restored as its folder
-            would be), or a single file written by ``colossal_lite.utils.save_checkpoint``.
-        epoch: -1 loads the latest checkpoint (``last``); ``k`` the newest one taken in epoch ``k``
-            (folder ``epoch{k}-step*``; an epoch's end checkpoint is named after that epoch).
+            would be), a single file written by ``colossal_lite.utils.save_checkpoint``, or a folder of
+            legacy per-epoch files ``epoch{E}-tp0-pp0{suffix}.pt`` (``SaveCheckpointHook(1,
+            get_checkpoint_path(folder, '{epoch}'))`` writes them), used when it holds no checkpoint folder.
+        epoch: -1 loads the latest checkpoint (``last``; of legacy files, the highest epoch); ``k`` the
+            newest one taken in epoch ``k`` (folder ``epoch{k}-step*``; an epoch's end checkpoint is named
+            after that epoch), or the legacy file ``epoch{k}-tp0-pp0{suffix}.pt``.
         finetune: load the model weights only; progress, optimizer, schedulers, data order start from 0.
         strict: the model's keys must match the checkpoint's exactly (shape mismatches always fail).
+        suffix: the end of the legacy files' names before ``.pt`` (``get_checkpoint_path``'s ``suffix``).
 
     A missing checkpoint raises ``FileNotFoundError`` (``CheckpointNotFoundError``) naming the folder.
     """
 
     def __init__(self, checkpoint_dir: Optional[str] = None, epoch: int = -1, finetune: bool = False,
-                 strict: bool = False, priority: int = 0):
+                 strict: bool = False, suffix: str = "", priority: int = 0):
         super().__init__(priority)
         if checkpoint_dir is None:
             raise ValueError("LoadCheckpointHook(checkpoint_dir=None): give the checkpoint folder (or file) to load")
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < -1:
             raise ValueError(f"LoadCheckpointHook(epoch={epoch!r}): use -1 (the latest) or an epoch index >= 0")
+        if not isinstance(suffix, str):
+            raise ValueError(f"LoadCheckpointHook(suffix={suffix!r}): the suffix is the text between 'pp0' and "
+                             f"'.pt' in the legacy file names, a str such as '' or '-best'")
+        self.suffix = suffix
         self.checkpoint_dir = Path(checkpoint_dir)
         self.epoch = epoch
         self.finetune = bool(finetune)
@@ -305,7 +314,9 @@ class LoadCheckpointHook(BaseHook):
     def _pick(self, manager: CheckpointManager):
         if self.epoch == -1:
             if manager.resolve("auto") is None:
-                raise CheckpointNotFoundError(f"LoadCheckpointHook: no checkpoint in {self.checkpoint_dir}")
+                raise CheckpointNotFoundError(f"LoadCheckpointHook: no checkpoint in {self.checkpoint_dir} (neither "
+                                              f"checkpoint folders nor legacy files "
+                                              f"epoch<N>-tp0-pp0{self.suffix}.pt)")
             return "auto"
         found, epochs = None, set()
         for path in manager.list_checkpoints():
@@ -319,11 +330,29 @@ class LoadCheckpointHook(BaseHook):
                                           f"{sorted(e for e in epochs if isinstance(e, int))}")
         return found
 
+    def _legacy_epoch_file(self, path: Path) -> Optional[Path]:
+        """In a folder without checkpoint folders, legacy v0.1's per-epoch file that ``epoch`` names (the highest
+        epoch for -1), as legacy ``LoadCheckpointHook`` found it; ``None`` for any other ``path``."""
+        if not path.is_dir() or (path / "meta.json").is_file():
+            return None
+        files = legacy_epoch_files(path, self.suffix)
+        if not files or CheckpointManager(path, cleanup=False).resolve("auto") is not None:
+            return None
+        if self.epoch == -1:
+            return files[max(files)]
+        if self.epoch not in files:
+            raise CheckpointNotFoundError(f"LoadCheckpointHook(epoch={self.epoch}): no file "
+                                          f"epoch{self.epoch}-tp0-pp0{self.suffix}.pt in {path}; it has the files "
+                                          f"of epochs {sorted(files)}")
+        return files[self.epoch]
+
     def before_train(self, trainer):
         path = self.checkpoint_dir
         session = trainer.checkpoints
         if is_single_file(path):
             self.loaded = self._load_file(trainer, path)
+        elif (legacy_file := self._legacy_epoch_file(path)) is not None:
+            self.loaded = self._load_file(trainer, legacy_file)
         else:
             if not path.exists():
                 raise CheckpointNotFoundError(f"LoadCheckpointHook: {path} does not exist")
