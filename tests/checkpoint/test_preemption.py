@@ -184,6 +184,44 @@ def test_sigint_inside_a_window_finishes_the_window_saves_and_resumes_exactly(tm
         assert torch.equal(a, b)
 
 
+class SignalInFinalEvaluation(BaseHook):
+    """Sends SIGTERM to this process in the run's last evaluation, after the last step."""
+
+    def after_test_iter(self, trainer, *args):
+        if trainer.state.step == 10 and not getattr(self, "sent", False):
+            self.sent = True
+            signal.raise_signal(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("where", ["last-step", "final-evaluation"])
+@pytest.mark.slow  # takes seconds without starting a process
+def test_a_signal_as_the_run_ends_lets_it_end_normally(tmp_path, clean, where):
+    """A SIGTERM during the last step or the final evaluation ended a finished run with status 75 ("run again to
+    continue"), and the requeued job found nothing to do (found by a probe): the run is complete and saved, so
+    fit returns as usual, with no extra checkpoint."""
+    logs = []
+
+    class ListLogger:
+        def info(self, msg):
+            logs.append(msg)
+
+        warning = info
+
+    model, engine, loader, sched = _build()
+    g = torch.Generator().manual_seed(1)
+    test = torch.utils.data.DataLoader(TensorDataset(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)),
+                                       batch_size=4)
+    send = SendSignal(signal.SIGTERM, at=20) if where == "last-step" else SignalInFinalEvaluation()
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = Trainer(engine, logger=ListLogger())
+    trainer.fit(loader, epochs=2, test_dataloader=test, hooks=[LossHook(), SaveCheckpointHook("3ba", tmp_path / "ck"), send])
+    assert trainer.cur_step == 10 and signal.getsignal(signal.SIGTERM) is before
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "epoch0-step3", "epoch1-step10", "epoch1-step6", "epoch1-step9", "last", "metrics.jsonl"]
+    assert ("SIGTERM received as the run ended: training is complete and its checkpoint written, so the run ends "
+            "normally (exit status 0)") in logs
+
+
 def test_a_second_ctrl_c_stops_at_once_and_the_handlers_are_put_back(tmp_path, clean):
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt):

@@ -88,10 +88,9 @@ class CheckpointSession:
     def nothing_to_do(self) -> bool:
         """True (and a log line on rank 0) when the run already stands at the end this ``fit`` was asked for."""
         st = self.trainer.state
-        by_steps = st.max_steps is not None and st.step >= st.max_steps
-        if (st.max_epochs is None or st.epoch < st.max_epochs) and not by_steps:
+        if not self._run_complete():
             return False
-        if by_steps:
+        if st.max_steps_reached:
             message = (f"already trained to step {st.step} (epoch {st.epoch}, batch {st.batch_idx}), nothing to do: "
                        f"this fit ends at max_steps={st.max_steps}; pass a larger max_steps to train further")
         else:
@@ -99,6 +98,11 @@ class CheckpointSession:
                        f"epochs={st.max_epochs}); pass more epochs to train further")
         log_rank_0(self.trainer.logger, message)
         return True
+
+    def _run_complete(self) -> bool:
+        """The run stands at the end this ``fit`` was asked for, or a hook stopped it: nothing is left to train."""
+        st = self.trainer.state
+        return st.max_steps_reached or (st.max_epochs is not None and st.epoch >= st.max_epochs) or st.stop_training
 
     def restored(self, path: Path) -> None:
         """The run now stands where ``path`` was taken: a save at this position would only repeat it."""
@@ -178,6 +182,11 @@ class CheckpointSession:
             self._since, self._last_check = 0, time.perf_counter()
             signum = int(flag)
         if not signum:
+            return False
+        if self._run_complete():  # (the last step, its evaluation or the final saves: nothing was cut short)
+            self._received = None
+            log_rank_0(self.trainer.logger, f"{signal_name(signum)} received as the run ended: training is complete and "
+                                            f"its checkpoint written, so the run ends normally (exit status 0)")
             return False
         self._stop(signum)
         return True
