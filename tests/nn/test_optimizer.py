@@ -294,3 +294,42 @@ def test_zero_stage_1_shards_the_legacy_optimizers_on_two_ranks(tmp_path):
         assert results[0][name + "/zero1"]["optimizer"] == "ZeroRedundancyOptimizer"
         for a, b in zip(results[0][name + "/ddp"]["params"], results[0][name + "/zero1"]["params"]):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-6, atol=1e-6)
+
+
+def test_the_legacy_colossalai_optimizer_wrapper_trains_as_the_optimizer_it_wraps():
+    """Legacy scripts wrap by hand: ColossalaiOptimizer(optim) with .optim, backward, clip_grad_norm(model, norm)
+    (ImportError before; found by a probe). It trains bit for bit as the hand loop with torch's clipping."""
+    from colossal_lite.nn.optimizer import ColossalaiOptimizer
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        return model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]
+    hand, hand_opt = build()
+    hand_sched = torch.optim.lr_scheduler.StepLR(hand_opt, 1, 0.5)
+    model, inner = build()
+    opt = ColossalaiOptimizer(inner)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)  # built on the wrapper: its groups are the wrapped one's
+    assert opt.optim is inner and opt.param_groups is inner.param_groups and opt.defaults == inner.defaults
+    for x, y in batches:
+        hand_opt.zero_grad()
+        torch.nn.functional.cross_entropy(hand(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(hand.parameters(), 0.1)
+        hand_opt.step()
+        hand_sched.step()
+        opt.zero_grad()
+        opt.backward(torch.nn.functional.cross_entropy(model(x), y))
+        norm = opt.clip_grad_norm(model, 0.1)
+        assert norm is not None and norm > 0.1  # (the clipping did something)
+        opt.step()
+        sched.step()
+    for a, b in zip(hand.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert opt.param_groups[0]["lr"] == hand_opt.param_groups[0]["lr"] == 0.5 ** 5
+    assert opt.state_dict()["state"].keys() == hand_opt.state_dict()["state"].keys()
+    assert opt.clip_grad_norm(model, 0.0) is None
+    with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer, got Sequential"):
+        ColossalaiOptimizer(model)
