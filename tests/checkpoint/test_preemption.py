@@ -335,10 +335,12 @@ def test_resuming_a_two_rank_checkpoint_on_one_rank_warns_that_the_epochs_train_
     try:
         model, engine, loader, sched = namespace["build"](64, 2)
         trainer = Trainer(engine)
+        # 5 of 16 batches per rank on 2 ranks are 10 of one rank's 32: it goes on after batch 10 (it went on after
+        # batch 5, training 5 batches' samples twice), 22 more steps
         with pytest.warns(UserWarning, match=r"written by 2 ranks and this run has 1: the train metrics of the "
-                                             r"resumed epoch \(Loss\) count only its batches from batch 5 on"):
+                                             r"resumed epoch \(Loss\) count only its batches from batch 10 on"):
             trainer.fit(loader, epochs=1, hooks=[LossHook()], resume_from=mid)
-        assert trainer.cur_step == 32  # one rank: the whole epoch's 32 batches
+        assert trainer.cur_step == 5 + 22
     finally:
         gpc.destroy()
 

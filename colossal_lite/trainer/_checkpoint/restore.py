@@ -57,8 +57,7 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
     """
     if train_loader is None and trainer.checkpoints is not None:
         train_loader = trainer.checkpoints.train_loader
-    if not finetune:
-        _check_epoch_lines_up(trainer, path, shared)
+    position = None if finetune else _position_in_epoch(trainer, path, shared)
     same_world = _same_world(shared)
     rank_state = rank_state if rank_state is not None else {}
     try:
@@ -72,7 +71,14 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
         trainer.load_state_dict({"progress": {"epoch": 0, "step": 0, "iteration": 0, "batch_idx": 0}})
         return path
     saved = shared.get("trainer") or {}
-    trainer.load_state_dict({"progress": saved.get("progress", {}), "hooks": _hook_states_to_load(trainer, path, shared),
+    progress = dict(saved.get("progress", {}))
+    if position is not None:
+        log_rank_0(trainer.logger, f"checkpoint {path} stopped after {progress['batch_idx']} of its epoch's "
+                                   f"{(shared.get('colossal_lite') or {}).get('batches_per_epoch')} batches per rank; "
+                                   f"this run's epoch has {trainer.state.iters_per_epoch}: it goes on after batch "
+                                   f"{position}, past the same samples")
+        progress["batch_idx"] = position
+    trainer.load_state_dict({"progress": progress, "hooks": _hook_states_to_load(trainer, path, shared),
                              "history": saved.get("history"), "trackers": saved.get("trackers"),
                              "objects": saved.get("objects")})
     _restore_save_times(trainer, path)
@@ -84,22 +90,34 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
     return path
 
 
-def _check_epoch_lines_up(trainer, path: Path, shared: Dict[str, Any]) -> None:
-    """A checkpoint inside an epoch holds how many batches of it each rank trained on: with another number of
-    batches per epoch (another batch size, number of ranks or data set) they no longer cover the samples already
-    trained, and the run would skip or repeat the rest of the epoch. Refused, on every rank alike, before anything
-    is loaded."""
+def _position_in_epoch(trainer, path: Path, shared: Dict[str, Any]) -> Optional[int]:
+    """Where a checkpoint inside an epoch resumes in this run's epoch: None when it did not stop inside one or the
+    epoch has as many batches per rank as then; else the batch after the same share of the epoch's samples.
+
+    With another number of batches per rank (another batch size or number of ranks) the batches already trained
+    are counted anew: after 10 of 20 batches of 16 on 1 rank, 5 of 10 batches of 32, or of 16 on 2 ranks, cover
+    the same samples of the epoch's order. Where no whole number of this run's batches (and of its accumulation
+    windows) covers them, or the checkpoint lies inside a window, the rest of the epoch would be skipped or
+    repeated: refused, on every rank alike, before anything is loaded."""
     done = int(((shared.get("trainer") or {}).get("progress") or {}).get("batch_idx") or 0)
     meta = shared.get("colossal_lite") or {}
     saved, now = meta.get("batches_per_epoch"), trainer.state.iters_per_epoch
     if not done or saved is None or now is None or saved == now:
-        return
+        return None
+    window = trainer.engine.window.size
+    open_window = ((shared.get("engine") or {}).get("accumulation") or {}).get("micro_step")
+    if open_window and meta.get("world_size") != world_size():
+        return None  # (refused where the window's gradients are read, naming the ranks to resume with)
+    if (done * now) % saved == 0 and (done * now // saved) % window == 0 and not open_window:
+        return done * now // saved
     raise CheckpointError(
         f"checkpoint {path} was taken inside an epoch, after {done} of its {saved} batches per rank "
         f"({meta.get('world_size')} rank(s)), but this run's epoch has {now} batches per rank ({world_size()} "
-        f"rank(s)): another batch size, number of ranks or data set, whose batches do not line up with the ones "
-        f"already trained, so the rest of the epoch would be skipped or repeated. Fix: resume with the batch size, "
-        f"number of ranks and data the checkpoint was taken with, or resume from a checkpoint taken at an epoch's end")
+        f"rank(s)), and no whole number of them" + (f" (in windows of {window})" if window > 1 else "") +
+        " covers the samples already trained" + (" (the checkpoint lies inside an accumulation window)"
+                                                   if open_window else "") +
+        ", so the rest of the epoch would be skipped or repeated. Fix: resume with the batch size and number of "
+        "ranks the checkpoint was taken with, or from a checkpoint taken at an epoch's end")
 
 
 def _restore_save_times(trainer, path: Path) -> None:
