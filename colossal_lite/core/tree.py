@@ -7,18 +7,20 @@ one. Unlike ``torch.utils._pytree``, which takes an unregistered subclass (a mod
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 __all__ = ["map_leaves", "iter_leaves"]
 
 
-def map_leaves(fn: Callable[[Any], Any], obj: Any) -> Any:
-    """``obj`` with ``fn`` applied to every leaf."""
+def map_leaves(fn: Callable[[Any], Any], obj: Any, is_leaf: Optional[Callable[[Any], bool]] = None) -> Any:
+    """``obj`` with ``fn`` applied to every leaf; ``is_leaf(x)`` True takes a container ``x`` whole, as a leaf."""
+    if is_leaf is not None and is_leaf(obj):
+        return fn(obj)
     if isinstance(obj, (list, tuple)):
-        mapped = [map_leaves(fn, o) for o in obj]
+        mapped = [map_leaves(fn, o, is_leaf) for o in obj]
         return type(obj)(*mapped) if hasattr(obj, "_fields") else type(obj)(mapped)
     if isinstance(obj, dict):
-        return type(obj)((k, map_leaves(fn, v)) for k, v in obj.items())
+        return type(obj)((k, map_leaves(fn, v, is_leaf)) for k, v in obj.items())
     return fn(obj)
 
 

@@ -70,9 +70,18 @@ def join_samples(pieces: List[Any]) -> Any:
 
 
 def take_rows(obj: Any, n: int, keep: int) -> Any:
-    """``obj`` with every tensor of ``n`` rows cut to its first ``keep`` rows (anything else as it is)."""
-    return map_leaves(lambda leaf: leaf[:keep] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
-                      and leaf.shape[0] == n else leaf, obj)
+    """``obj`` with its first ``keep`` of ``n`` rows: every tensor of ``n`` rows cut to ``keep``, and every list
+    inside it of ``n`` items that are not all such tensors (a ``collate_fn``'s list of variable-length
+    sequences, one item per sample) cut to its first ``keep`` items; anything else as it is."""
+    def per_sample(x) -> bool:
+        return (type(x) is list and x is not obj and len(x) == n
+                and not all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n for t in x))
+
+    def cut(leaf):
+        if per_sample(leaf):
+            return leaf[:keep]
+        return leaf[:keep] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == n else leaf
+    return map_leaves(cut, obj, is_leaf=per_sample)
 
 
 class _Pieces:

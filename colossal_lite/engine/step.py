@@ -117,20 +117,21 @@ class TrainStep:
             fn(owner)
         return rec.updated
 
-    def forward_only(self, batch: Any, with_loss: bool = True, keep: Optional[int] = None) -> None:
+    def forward_only(self, batch: Any, with_loss: bool = True, keep: Optional[int] = None,
+                     rows: Optional[int] = None) -> None:
         """Evaluation's step: load, forward and (with a criterion) the loss; run it under ``torch.no_grad``.
         The training events do not fire (evaluation has its own, around it).
 
-        ``keep`` (None: all): how many leading rows of the batch are real samples, the rest being a distributed
-        sampler's padding. Every rank runs one forward per batch (a sharded model gathers its weights in it):
-        on the real rows only when there are some, so that a loss the model computes itself covers them alone;
-        on the whole batch when all are padding (a model may refuse an empty batch), whose output is then cut
-        to no rows."""
+        ``keep`` (None: all): how many leading rows of the batch's ``rows`` (None: its first tensor's) are real
+        samples, the rest being a distributed sampler's padding. Every rank runs one forward per batch (a sharded
+        model gathers its weights in it): on the real rows only when there are some, so that a loss the model
+        computes itself covers them alone; on the whole batch when all are padding (a model may refuse an empty
+        batch), whose output is then cut to no rows."""
         rec, engine = self.record, self.engine
-        batch = real_rows(batch, keep)
+        batch = real_rows(batch, keep, rows)
         rec.batch, rec.data, rec.label = engine.schedule.place(batch, engine.device)
         rec.output, rec.loss = self.evaluate(rec.batch, rec.data, rec.label, with_loss)
-        if keep == 0 and drop_all_rows(rec):
+        if keep == 0 and drop_all_rows(rec, rows):
             engine.schedule.current_batch = rec.batch
 
     def evaluate(self, batch: Any, data: Any, label: Any, with_loss: bool):
@@ -139,18 +140,19 @@ class TrainStep:
         return output, (self.loss(output, label, batch, required=False) if with_loss else None)
 
 
-def real_rows(batch: Any, keep: Optional[int]) -> Any:
-    """An evaluation batch's first ``keep`` rows, its real samples (the rest a distributed sampler's padding); the
-    batch whole when ``keep`` is None (all real) or 0 (all padding: every rank still runs one forward on it)."""
-    return take_rows(batch, batch_len(batch), keep) if keep else batch
+def real_rows(batch: Any, keep: Optional[int], rows: Optional[int] = None) -> Any:
+    """An evaluation batch's first ``keep`` of its ``rows`` (None: its first tensor's), its real samples (the rest a
+    distributed sampler's padding); the batch whole when ``keep`` is None (all real) or 0 (all padding: every rank
+    still runs one forward on it)."""
+    return take_rows(batch, batch_len(batch) if rows is None else rows, keep) if keep else batch
 
 
-def drop_all_rows(rec: Any) -> bool:
+def drop_all_rows(rec: Any, rows: Optional[int] = None) -> bool:
     """An evaluation batch that is all padding, after its forward: cut ``rec``'s batch, its split, label and output
     to no rows, and make its loss a zero (it weighs nothing in a per-sample mean, where a mean over no rows would be
-    NaN). False (nothing cut) when no output tensor has the batch's rows first, since labels cut alone would no
-    longer match the output."""
-    rows = batch_len(rec.batch)
+    NaN). False (nothing cut) when no output tensor has the batch's ``rows`` (None: its first tensor's) first,
+    since labels cut alone would no longer match the output."""
+    rows = batch_len(rec.batch) if rows is None else rows
     if not any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows for t in iter_leaves(rec.output)):
         return False
     rec.batch, rec.data, rec.label, rec.output = (take_rows(part, rows, 0)

@@ -42,25 +42,43 @@ def real_samples(sampler: Any) -> int:
     return max(real - start, 0)
 
 
-class RealRows:
-    """One evaluation pass over ``loader``: the number of real rows in each of its batches, in turn.
+def _batch_size(loader: Any) -> Optional[int]:
+    """Samples per batch of a loader batching its sampler in order (the last batch may hold fewer)."""
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else None
 
+
+class RealRows:
+    """One evaluation pass over ``loader``: the number of rows and of real rows in each of its batches, in turn.
+
+    A batch's rows are counted from the loader (its batch size, and the samples left in this rank's share), not
+    from the batch, whose first tensor need not have a row per sample (a ``collate_fn``'s list of sequences).
     Make it before the pass starts (a ``DataParallelSampler`` moves on when iterated)."""
 
     def __init__(self, loader: Any):
         sampler = padded_sampler(loader)
         self.left: Optional[int] = None if sampler is None else real_samples(sampler)
+        self.to_come: int = 0 if sampler is None else len(sampler)
+        self.batch_size = _batch_size(loader)
+        self.rows: Optional[int] = None  # the rows of the last batch asked about
 
     def of(self, batch: Any) -> Optional[int]:
         """How many leading rows of ``batch`` (the loader's next) are real; None when all are, or when that
         cannot be known (no padding known, or a batch with no batch dimension: nothing is dropped from then on)."""
         if self.left is None:
             return None
-        try:
-            rows = batch_len(batch)
-        except TypeError:
-            self.left = None
-            return None
+        if self.batch_size is not None:
+            rows = min(self.batch_size, self.to_come)
+            self.to_come -= rows
+        else:
+            try:
+                rows = batch_len(batch)
+            except TypeError:
+                self.left = None
+                return None
+        self.rows = rows
         keep = min(rows, self.left)
         self.left -= keep
         return None if keep == rows else keep

@@ -828,7 +828,8 @@ class Trainer:
         real = RealRows(loader)
         count = 0
         for batch in self._test_batches(loader, total):
-            step.forward_only(batch, keep=real.of(batch))  # the loss: the criterion's, or the model's when it gives one
+            keep = real.of(batch)  # (the loss: the criterion's, or the model's when it gives one)
+            step.forward_only(batch, keep=keep, rows=real.rows)
             timer.stop("Test-step", keep_in_history=True)
             output, label = (st.output, st.label) if return_output_label else (None, None)
             for fn in h.after_test_iter:

@@ -170,20 +170,21 @@ class UserStepRunner:
             if place.last and not window.at_start:
                 window.close()
 
-    def forward_only(self, batch: Any, with_loss: bool = True, keep: Optional[int] = None) -> None:
+    def forward_only(self, batch: Any, with_loss: bool = True, keep: Optional[int] = None,
+                     rows: Optional[int] = None) -> None:
         """Evaluation's step: the user's ``evaluate`` function, else the Trainer's own forward-only step on its
         engine. Like that step, the function sees a batch's real rows only (``keep``: how many; a distributed
         sampler's padded repeats are cut), and a batch that is all padding whole, its results then cut to none."""
         if self.eval_fn is None:
-            self.default_step.forward_only(batch, with_loss, keep)
+            self.default_step.forward_only(batch, with_loss, keep, rows)
             return
         st = self.state
-        batch = real_rows(batch, keep)
+        batch = real_rows(batch, keep, rows)
         st.batch, st.data = move_to_device(batch, self.main.device), None
         with _eval_mode(self.others):
             st.output, st.label, st.loss = _results(self.eval_fn(self.trainer, st.batch), "evaluate")
         if keep == 0:
-            drop_all_rows(st)
+            drop_all_rows(st, rows)
 
 
 class EngineCheckpoint:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 from colossal_lite.engine import Engine
+from colossal_lite.engine.schedule import NonPipelineSchedule
 from colossal_lite.engine.step import TrainStep
 from colossal_lite.trainer._padding import RealRows, real_samples
 from colossal_lite.utils.data import DataParallelSampler
@@ -279,3 +280,42 @@ class _SequenceFirst(nn.Module):
 class _SequenceFirstLoss(nn.Module):
     def forward(self, output, label):
         return nn.functional.cross_entropy(output[-1], label)
+
+
+class _Bag(nn.Module):
+    """Sequences of token ids of any length, given as a list: the mean of their embeddings, classified."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.embed, self.out = nn.Embedding(9, 4), nn.Linear(4, 3)
+
+    def forward(self, seqs):
+        return self.out(torch.stack([self.embed(s).mean(0) for s in seqs]))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_batch_of_variable_length_sequences_in_a_list_keeps_its_real_samples(rank):
+    """A collate_fn that gives (list of sequences, labels): the batch's rows were read from its first tensor, a
+    sequence's length, so a real sample was cut away on one rank and a padded repeat counted on the other, and a
+    sequence could be cut short (found by a probe). The rows come from the loader; the list is cut per sample."""
+    lengths, labels = [3, 2, 4, 5, 1], torch.tensor([0, 1, 2, 1, 0])  # rank 1's first sequence has 2 tokens
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 9, (n,), generator=g), y) for n, y in zip(lengths, labels)]
+    loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=rank, shuffle=False),
+                        collate_fn=lambda items: ([s for s, _ in items], torch.stack([y for _, y in items])))
+    model = _Bag()
+    schedule = NonPipelineSchedule(data_process_func=lambda batch: ((batch[0],), batch[1]))
+    step = TrainStep(Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(reduction="sum"),
+                            schedule=schedule))
+    real, seen = RealRows(loader), []
+    for batch in loader:
+        keep = real.of(batch)
+        step.forward_only(batch, keep=keep, rows=real.rows)
+        seen.append(([len(s) for s in step.record.data[0]], step.record.label.tolist(), float(step.record.loss)))
+    mine = [i for i in range(rank, 5, 2)]  # this rank's real samples: 0, 2, 4 or 1, 3 (then a repeat of 0)
+    with torch.no_grad():
+        want = float(nn.functional.cross_entropy(model([data[i][0] for i in mine]), labels[mine], reduction="sum"))
+    assert [n for lens, _, _ in seen for n in lens] == [lengths[i] for i in mine]  # whole sequences, the real ones
+    assert [y for _, ys, _ in seen for y in ys] == labels[mine].tolist()
+    assert sum(loss for _, _, loss in seen) == pytest.approx(want, rel=1e-6)
