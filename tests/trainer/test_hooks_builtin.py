@@ -446,6 +446,34 @@ def test_early_stopping_stops_after_patience_checks_without_improvement():
     assert any(line.startswith("Training stopped at epoch 2, step 6: EarlyStoppingHook") for line in logger.lines)
 
 
+def test_a_run_whose_patience_is_spent_trains_no_further_when_fit_or_resumed_again(tmp_path):
+    """An early-stopped script run again with resume_from='auto' trained one more check every time (the stop was
+    not kept; found by a probe): the hook's spent patience stops the run before its first batch. A larger
+    patience goes on."""
+    from colossal_lite.trainer.hooks import SaveCheckpointHook
+
+    def run(patience, trainer=None):
+        engine, _ = make_engine(make_model())
+        trainer = trainer or Trainer(engine, logger=ListLogger())
+        early = EarlyStoppingHook("Loss", mode="max", patience=patience)
+        trainer.fit(make_batches(2), epochs=10, resume_from="auto",
+                    hooks=[LossHook(), early, SaveCheckpointHook(1, tmp_path / "ck")])
+        return trainer, early
+
+    first, early = run(2)
+    assert (first.cur_epoch, first.cur_step, early.wait) == (3, 6, 2)
+    first.fit(make_batches(2), epochs=10, hooks=[LossHook(), early])  # the same trainer, fit again
+    assert first.cur_step == 6
+    again, early = run(2)  # the script run again
+    assert (again.cur_epoch, again.cur_step, early.wait) == (3, 6, 2)
+    assert again.state.stop_reason == ("EarlyStoppingHook: Loss had not improved for 2 checks when the run stopped "
+                                       f"(best {early.best:.6g} at epoch 0); give a larger patience to train further")
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("epoch")) == [
+        "epoch0-step2", "epoch1-step4", "epoch2-step6"]
+    longer, early = run(3)  # a larger patience: one more check
+    assert (longer.cur_epoch, longer.cur_step, early.wait) == (4, 8, 3)
+
+
 def test_early_stopping_argument_errors():
     with pytest.raises(ValueError, match="use 'min' .* or 'max'"):
         EarlyStoppingHook("Loss", mode="lowest")

@@ -51,6 +51,19 @@ class EarlyStoppingHook(BaseHook):
     def after_hook_is_attached(self, trainer):
         self._phase, self._name = None, None  # found by name at the first check (the trainer checked it exists)
 
+    def before_train(self, trainer):
+        """A run whose patience was already spent (resumed from its last checkpoint, or fit again) trains no
+        further: its stop is kept in this hook's state, not in the progress. A larger ``patience`` goes on."""
+        if self.wait and self.wait >= self.patience:
+            st = trainer.state
+            st.stop_training = True
+            st.stop_reason = (f"EarlyStoppingHook: {self.monitor} had not improved for {self.wait} checks when the "
+                              f"run stopped (best {self._best_text()}); give a larger patience to train further")
+            log_rank_0(self.logger, st.stop_reason)
+
+    def _best_text(self) -> str:
+        return "none" if self.best is None else f"{self.best:.6g} at epoch {self.best_epoch}"
+
     def _target(self, trainer):
         if self._phase is None:
             self._phase, self._name = resolve_metric(trainer, self.monitor)
@@ -74,10 +87,9 @@ class EarlyStoppingHook(BaseHook):
         self.wait += 1
         if self.wait >= self.patience:
             st = trainer.state
-            best = "none" if self.best is None else f"{self.best:.6g} at epoch {self.best_epoch}"
             st.stop_training = True
             st.stop_reason = (f"EarlyStoppingHook: {self._phase}/{self._name} did not improve by more than "
-                              f"{self.min_delta:g} for {self.wait} checks (last {value:.6g}, best {best})")
+                              f"{self.min_delta:g} for {self.wait} checks (last {value:.6g}, best {self._best_text()})")
             log_rank_0(self.logger, st.stop_reason)
 
     def after_train_epoch(self, trainer):
