@@ -172,17 +172,22 @@ class AllReduceStrategy(SingleProcess):
         self.bucket_bytes = int(bucket_size_mb * 2**20)
 
     def reduce_gradients(self, model):
+        """Every parameter that trains takes part on every rank, so that all ranks lay out the same buffers: one
+        with no gradient here (unused by this rank's batches) adds zeros, and gets the average when another rank
+        used it; one no rank used keeps no gradient, as under DDP. Each bucket carries, after the gradients, how
+        many ranks used each of its parameters (no collective of its own)."""
         world = dist.get_world_size()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
         buckets: dict = {}
-        for g in grads:
-            buckets.setdefault((g.dtype, g.device), []).append(g)
+        for p in model.parameters():
+            if p.requires_grad:
+                g = p.grad
+                buckets.setdefault((p.dtype if g is None else g.dtype, p.device), []).append(p)
         for same in buckets.values():
             bucket: List[torch.Tensor] = []
             size = 0
-            for g in same:
-                bucket.append(g)
-                size += g.numel() * g.element_size()
+            for p in same:
+                bucket.append(p)
+                size += p.numel() * p.element_size()
                 if size >= self.bucket_bytes:
                     self._reduce(bucket, world)
                     bucket, size = [], 0
@@ -191,13 +196,25 @@ class AllReduceStrategy(SingleProcess):
 
     @staticmethod
     def _reduce(bucket: List[torch.Tensor], world: int):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
+        grads = [p.grad for p in bucket]
+        used = [g is not None for g in grads]
+        like = next(g for g in grads + [bucket[0]] if g is not None)
+        parts = [g.reshape(-1) if g is not None else torch.zeros(p.numel(), dtype=like.dtype, device=like.device)
+                 for p, g in zip(bucket, grads)]
+        every = all(used)  # (the usual case: the flags are a fill on the device, and nothing is read back)
+        parts.append(torch.ones(len(bucket), dtype=like.dtype, device=like.device) if every else
+                     torch.tensor(used, dtype=like.dtype, device=like.device))
+        flat = torch.cat(parts)
         dist.all_reduce(flat)
+        users = None if every else flat[-len(bucket):].tolist()
         flat.div_(world)
         offset = 0
-        for g in bucket:
-            n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g))
+        for i, (p, g) in enumerate(zip(bucket, grads)):
+            n = p.numel()
+            if g is not None:
+                g.copy_(flat[offset:offset + n].view_as(g))
+            elif users[i]:
+                p.grad = flat[offset:offset + n].view_as(p).clone()
             offset += n
 
 
