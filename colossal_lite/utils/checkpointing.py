@@ -104,6 +104,13 @@ def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torc
     engine = owning_engine(model, optimizer, lr_scheduler)
     if engine is not None:
         refuse_window_on_ranks(engine, "save_checkpoint")  # on every rank, so that none waits for rank 0 alone
+    if engine is not None and engine.shards_state:
+        raise ValueError(
+            "save_checkpoint: under zero=dict(stage=2|3) the model and optimizer state are sharded over the ranks "
+            "and save_checkpoint writes on rank 0 alone, so it cannot gather them (it would write rank 0's shards, "
+            "half of every tensor). Fix: let fit save with SaveCheckpointHook(interval, 'ck.pt') (the same single "
+            "file, gathered on every rank) or SaveCheckpointHook(interval, 'folder') (sharded, resumable with any "
+            "number of ranks after colossal-lite ckpt merge)")
     if optimizer is not None and engine is not None and _optimizer_sharded_by_zero_1(engine):
         raise ValueError(
             "save_checkpoint: under zero=dict(stage=1) the optimizer state is sharded over the ranks and "
