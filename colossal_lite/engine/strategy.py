@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Iterable, List, Optional, Sequence
+from typing import Any, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -111,6 +111,8 @@ class DDPStrategy(SingleProcess):
 
     def __init__(self, **ddp_kwargs):
         self.ddp_kwargs = ddp_kwargs
+        self._wrapper_forwards: Optional[Any] = None  # watches the DDP module's forward until the first update
+        self._wrapper_ran = False
 
     def setup(self, model, optimizer):
         from torch.nn.parallel import DistributedDataParallel
@@ -120,7 +122,27 @@ class DDPStrategy(SingleProcess):
             if p.device.type == "cuda":
                 device_ids = [p.device.index]
             break
-        return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs), optimizer
+        ddp = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+        self._wrapper_ran = False
+        self._wrapper_forwards = ddp.register_forward_pre_hook(self._note_wrapper_forward)
+        return ddp, optimizer
+
+    def _note_wrapper_forward(self, module, args) -> None:
+        self._wrapper_ran = True
+
+    def reduce_gradients(self, model):
+        """DDP reduced the gradients in the backward. At the first update only: they were reduced only if a
+        forward went through the DDP module, which a loop calling the module given to ``initialize`` bypasses
+        (the ranks would train apart without a word)."""
+        if self._wrapper_forwards is None:
+            return
+        self._wrapper_forwards.remove()
+        self._wrapper_forwards = None
+        if not self._wrapper_ran:
+            raise RuntimeError(
+                f"engine.step() on rank {dist.get_rank()}: no forward went through the engine's model since "
+                f"initialize, so DDP synchronised no gradient and the ranks would train apart (nothing was updated). "
+                f"The loop calls the module given to initialize (model(x)): call engine(x), or engine.model(x)")
 
     def set_gradient_sync(self, model, sync):
         # what DistributedDataParallel.no_sync() sets; its forward reads it (torch.compile wraps the DDP module)
