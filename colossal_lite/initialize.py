@@ -158,6 +158,12 @@ def _check_micro_batch_size(config, loader, world_size: int):
 def _build_model(model) -> nn.Module:
     if isinstance(model, nn.Module):
         return model
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        try:
+            return model()
+        except TypeError as error:
+            raise TypeError(f"initialize(model=...): got the class {model.__name__}, and building it with no arguments "
+                            f"failed ({error}); pass a model: {model.__name__}(...)") from None
     if callable(model):
         built = model()
         if not isinstance(built, nn.Module):
@@ -176,6 +182,10 @@ def _build_optimizer(optimizer, model: nn.Module) -> torch.optim.Optimizer:
                              f"Build it from model.parameters(), or pass a callable like "
                              f"lambda params: torch.optim.SGD(params, lr=0.1)")
         return optimizer
+    if isinstance(optimizer, type):  # a class is callable too, but it would train at its default learning rate
+        raise TypeError(f"initialize(optimizer=...): got the class {optimizer.__name__}, not an optimizer; pass "
+                        f"{optimizer.__name__}(model.parameters(), lr=...) or a function that builds one from the "
+                        f"parameters: lambda params: {optimizer.__name__}(params, lr=...)")
     if callable(optimizer):
         built = optimizer(model.parameters())
         if not isinstance(built, torch.optim.Optimizer):
@@ -183,6 +193,16 @@ def _build_optimizer(optimizer, model: nn.Module) -> torch.optim.Optimizer:
         return built
     raise TypeError(f"initialize(optimizer=...) must be a torch.optim.Optimizer or a callable taking the parameters, "
                     f"got {type(optimizer).__name__}")
+
+
+def _check_scheduler(lr_scheduler, optimizer) -> None:
+    """A scheduler built on another optimizer would set learning rates that this engine never reads."""
+    target = getattr(lr_scheduler, "optimizer", None)
+    if isinstance(target, torch.optim.Optimizer) and target.param_groups is not optimizer.param_groups:
+        name = type(lr_scheduler).__name__
+        raise ValueError(f"initialize(lr_scheduler=...): the {name} was built on another optimizer than the one given "
+                         f"to initialize, so the learning rates it sets would never be used. Fix: build it on the "
+                         f"optimizer you pass: {name}(optimizer, ...)")
 
 
 def _build_strategy(config, world_size: int, precision):
@@ -265,6 +285,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     device = gpc.device
     model = model.to(device)
     optimizer = _build_optimizer(optimizer, model)
+    _check_scheduler(lr_scheduler, optimizer)
     broadcast_module(model)  # every rank starts from rank 0's parameters
 
     model, optimizer, precision, strategy = _compose(config, model, optimizer, world_size)

@@ -88,6 +88,29 @@ def test_criterion_passed_as_a_class_is_refused(launched):
         colossal_lite.initialize(make_model(), _sgd, torch.nn.CrossEntropyLoss, verbose=False)
 
 
+def test_classes_given_for_instances_and_a_scheduler_of_another_optimizer_are_refused(launched):
+    """Found by a probe: a model class that needs arguments failed with torch's bare TypeError; an optimizer class
+    trained silently at its default learning rate; a scheduler built on another optimizer left the LR unchanged
+    all run (torch's only word a warning about the order of step calls)."""
+    launched()
+    with pytest.raises(TypeError, match=re.escape("initialize(model=...): got the class Linear, and building it with "
+                                                  "no arguments failed (")):
+        colossal_lite.initialize(torch.nn.Linear, _sgd, verbose=False)
+    model = make_model()
+    with pytest.raises(TypeError, match=re.escape("initialize(optimizer=...): got the class SGD, not an optimizer; "
+                                                  "pass SGD(model.parameters(), lr=...) or a function that builds one "
+                                                  "from the parameters: lambda params: SGD(params, lr=...)")):
+        colossal_lite.initialize(model, torch.optim.SGD, verbose=False)
+    other = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=re.escape("initialize(lr_scheduler=...): the StepLR was built on another "
+                                                   "optimizer than the one given to initialize")):
+        colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), verbose=False,
+                                 lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # the scheduler on the optimizer given: accepted
+    *_, sched = colossal_lite.initialize(model, opt, verbose=False, lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+    assert sched is not None
+
+
 def _dataset(n=256):
     return torch.utils.data.TensorDataset(torch.randn(n, 6), torch.randint(0, 4, (n,)))
 

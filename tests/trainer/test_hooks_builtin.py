@@ -250,6 +250,9 @@ def test_two_accuracies_need_two_names_and_each_reads_its_own():
         Trainer(engine).fit(make_batches(2), epochs=1, hooks=[LossHook(), LossHook()])
     with pytest.raises(ValueError, match=r"AccuracyHook\(name='a/b'\)"):
         AccuracyHook(top2, name="a/b")
+    with pytest.raises(TypeError, match=r"AccuracyHook\(accuracy_func=...\): got the class Accuracy, not a "
+                                        r"metric; pass an instance: Accuracy\(\)"):
+        AccuracyHook(Accuracy)  # (it failed at the first evaluation batch with torch's TypeError)
     trainer = Trainer(engine)
     history = trainer.fit(make_batches(2), epochs=1, test_dataloader=test,
                           hooks=[AccuracyHook(Accuracy()), AccuracyHook(top2, name="Accuracy_top2", track_train=True)])

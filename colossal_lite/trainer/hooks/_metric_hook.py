@@ -590,6 +590,9 @@ class AccuracyHook(MetricHook):
                  logits_from: Optional[Callable] = None, labels_from: Optional[Callable] = None,
                  name: str = "Accuracy"):
         super().__init__(priority)
+        if isinstance(accuracy_func, type):  # a class is callable too, but calling it builds a metric
+            raise TypeError(f"AccuracyHook(accuracy_func=...): got the class {accuracy_func.__name__}, not a metric; "
+                            f"pass an instance: {accuracy_func.__name__}()")
         if not callable(accuracy_func):
             raise TypeError(f"AccuracyHook(accuracy_func=...) must be callable (logits, targets) -> number correct, "
                             f"e.g. colossal_lite.nn.metric.Accuracy(); got {accuracy_func!r}")
