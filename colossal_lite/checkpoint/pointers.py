@@ -71,6 +71,11 @@ def resolve_path(which: PathLike, checkpoint_dir: Optional[PathLike] = None) -> 
                     path = path / target
             read_meta(path)
             return path
+    pointer = Path(which)
+    if pointer.name == "best" and (pointer.parent / "last").is_file():
+        raise CheckpointNotFoundError(f"checkpoint {which} does not exist: the run in {pointer.parent} kept no 'best' "
+                                      f"pointer (it was saved without SaveCheckpointHook(..., save_best=...)); give "
+                                      f"{pointer.parent / 'last'} or one of its checkpoint folders")
     raise CheckpointNotFoundError(f"checkpoint {which} does not exist"
                                   + (f" (also looked for {Path(checkpoint_dir) / which})"
                                      if len(candidates) > 1 else ""))

@@ -72,6 +72,16 @@ def test_errors_are_one_line_and_exit_1(tmp_path, capsys):
     assert not (tmp_path / "w.pt").exists()
 
 
+def test_a_best_pointer_the_run_never_kept_says_why(tmp_path, capsys):
+    m = CheckpointManager(tmp_path / "ck")
+    m.save("epoch0-step1", {"engine": {"model": nn.Linear(2, 2).state_dict()}, "trainer": {"step": 1}})
+    assert main(["ckpt", "export", str(tmp_path / "ck" / "best"), str(tmp_path / "w.pt")]) == 1
+    assert capsys.readouterr().err == (
+        f"error: checkpoint {tmp_path / 'ck' / 'best'} does not exist: the run in {tmp_path / 'ck'} kept no 'best' "
+        f"pointer (it was saved without SaveCheckpointHook(..., save_best=...)); give {tmp_path / 'ck' / 'last'} or "
+        f"one of its checkpoint folders\n")
+
+
 @pytest.mark.parametrize("name,text", [("metrics.csv", "step,epoch,name,value,time\n1,0,train/Loss,1.0,1.5\n"),
                                        ("metrics.jsonl", '{"step": 1, "epoch": 0, "name": "x", "value": 1.0}\n'),
                                        ("notes.txt", "some notes\n")])
