@@ -204,8 +204,7 @@ class Engine:
             return call_criterion(self._criterion_call, output, label)
         loss = model_loss(output) if required else model_loss.find(output)
         counted = loss is not None and batch is not None and model_loss.num_tokens is not None
-        self.reduction.note_tokens(model_loss.count_tokens(batch) if counted else None)
-        return loss
+        return self.reduction.own_loss(loss, model_loss.count_tokens(batch) if counted else None)
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear gradients before a window's first micro-batch only."""

@@ -43,6 +43,12 @@ class MeanReduction:
         """The real-token count of the micro-batch whose loss comes next (a model's own per-token mean loss);
         only the per-token mean reads it."""
 
+    def own_loss(self, loss: Optional[torch.Tensor], num_tokens) -> Optional[torch.Tensor]:
+        """A model's own loss of a micro-batch with ``num_tokens`` real tokens (None: not counted), as the step
+        takes it; the count is noted for the backward."""
+        self.note_tokens(num_tokens)
+        return loss
+
     def loss_weight(self, loss: torch.Tensor, where: MicroBatch, num_tokens=None,
                     share: float = 1.0) -> Optional[torch.Tensor]:
         """The micro-batch loss's weight in the window's loss (None: 1): backward starts from it.
@@ -135,6 +141,15 @@ class TokenMeanReduction(MeanReduction):
     def note_tokens(self, num_tokens) -> None:
         self._micro_tokens = self.last_tokens = num_tokens  # made a tensor on the loss's device at the backward
 
+    def own_loss(self, loss, num_tokens):
+        """A micro-batch with no real token (a short document's labels all ignored) has no per-token mean: the
+        model's is 0/0, NaN, and would be taken for a non-finite loss although it weighs nothing. It is 0 (its
+        gradient, weighed by 0 tokens, is unchanged)."""
+        self.note_tokens(num_tokens)
+        if loss is None or num_tokens is None:
+            return loss
+        return _where_counted(torch.as_tensor(num_tokens, device=loss.device), loss)
+
     def loss_weight(self, loss, where, num_tokens=None, share=1.0):
         n = self._micro_tokens if num_tokens is None else num_tokens
         if n is None:
@@ -153,7 +168,7 @@ class TokenMeanReduction(MeanReduction):
             return parts[0][0]
         tokens = sum(weight for _, weight in parts)
         self.last_tokens = tokens
-        return super().joined_loss(parts) / tokens.clamp(min=1)
+        return super().joined_loss([(_where_counted(weight, loss), weight) for loss, weight in parts]) / tokens.clamp(min=1)
 
     def finish(self, params, closing):
         total = self.tokens if self.tokens is not None else torch.zeros(())
@@ -168,6 +183,11 @@ class TokenMeanReduction(MeanReduction):
 
     def load_state_dict(self, state):
         self.tokens = state.get("tokens")
+
+
+def _where_counted(tokens: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` where its micro-batch (or piece) counted real tokens, else 0 (a mean over none is NaN)."""
+    return torch.where(tokens > 0, loss, torch.zeros_like(loss))
 
 
 def not_a_loss(loss: Any, criterion: Any, reduction: str) -> TypeError:

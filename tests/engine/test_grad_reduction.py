@@ -223,3 +223,42 @@ def test_the_loss_a_user_reads_under_per_token_mean_is_the_per_token_loss(launch
     assert trainer.history["train/Loss"][-1] == pytest.approx(per_token, rel=1e-6)
     assert trainer.history["test/Loss"][-1] == pytest.approx(per_token, rel=1e-6)
     assert fit(3)[1] == syncs
+
+
+def test_a_micro_batch_with_no_real_token_weighs_nothing_and_is_not_a_non_finite_loss(launched):
+    """A model's own per-token mean over a micro-batch whose labels are all padding (a one-token document) is 0/0,
+    NaN: the loss guard raised NonFiniteLossError although the update was finite, and the Loss a user reads was NaN
+    (found by a probe). Such a micro-batch weighs nothing: its loss is 0, the gradients those of the others."""
+    from colossal_lite.engine import ModelLoss
+    from colossal_lite.trainer import Trainer
+    from colossal_lite.trainer.hooks import LossHook
+
+    class OwnTokenLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = build()
+
+        def forward(self, x, y):
+            logits = self.inner(x)
+            return {"loss": torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1),
+                                                            ignore_index=PAD), "logits": logits}
+
+    batches = token_batches()
+    batches[1][1][:] = PAD  # the second micro-batch has no real token
+    launched(dict(gradient_accumulation=3, grad_reduction="per-token-mean"))
+    model = OwnTokenLoss()
+    engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                          ModelLoss(num_tokens=lambda b: (b["y"] != PAD).sum()),
+                                          data_process_func=lambda b: (b, b["y"]), verbose=False)
+    history = Trainer(engine).fit([dict(x=x, y=y) for x, y in batches], epochs=1, hooks=[LossHook()], log_dir=False)
+    ref = build()  # by hand: one mean over every real token of the window
+    logits = torch.cat([ref(x).reshape(-1, VOCAB) for x, _ in batches])
+    target = torch.cat([y.reshape(-1) for _, y in batches])
+    loss = torch.nn.functional.cross_entropy(logits, target, ignore_index=PAD)
+    loss.backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.5 * p.grad
+    for p, q in zip(model.inner.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    assert history["train/Loss"][-1] == pytest.approx(loss.item(), rel=1e-6)
