@@ -25,6 +25,7 @@ def lrs(sched, steps):
     (["0.25dur", "15ba", 18], None, [5, 15, 18]),
     (["1ep", "0.5dur", "3ep"], 4, [4, 10, 12]),
     (["0.33dur"], None, [7]),  # 6.6 rounds to 7
+    (["0.02dur"], None, [1]),  # 0.4 rounds to 0: after the first update at the earliest, as 'dur' intervals
 ])
 def test_time_milestones_resolve_and_follow_torch(milestones, steps_per_epoch, resolved):
     ours = MultiStepLR(optimizer(), total_steps=20, milestones=milestones, gamma=0.5, steps_per_epoch=steps_per_epoch)

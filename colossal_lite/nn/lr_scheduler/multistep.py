@@ -35,7 +35,9 @@ def _resolve_milestone(m, total_steps, steps_per_epoch: Optional[int]) -> int:
                          f"(optimizer steps) or 'dur' (a fraction of total_steps)")
     total = check_total_steps(total_steps) if time.unit is TimeUnit.DURATION else 0
     spe = check_int("steps_per_epoch", steps_per_epoch, 1) if time.unit is TimeUnit.EPOCH else 0
-    return time.to_steps(spe, total)
+    steps = time.to_steps(spe, total)
+    # a fraction of the run lands after its first update at the earliest, as the Trainer's 'dur' intervals do
+    return max(steps, 1) if time.unit is TimeUnit.DURATION else steps
 
 
 def _check_milestones(milestones, total_steps=None, steps_per_epoch: Optional[int] = None) -> List[int]:
