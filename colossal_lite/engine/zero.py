@@ -247,4 +247,12 @@ class FSDPStrategy(SingleProcess):
     def load_optimizer_state_dict(self, model, optimizer, state):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        try:
+            set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        except KeyError as error:  # torch matches the saved groups' keys to this optimizer's, and names only the key
+            key = str(error.args[0]) if error.args else ""
+            missing = key.rsplit(".", 1)[-1]
+            hint = (" (an LR scheduler adds it to the optimizer's groups: build the scheduler before loading, as the "
+                    "run that saved it did)" if missing == "initial_lr" else "")
+            raise KeyError(f"the saved optimizer state has the parameter-group key {missing!r}, which this optimizer's "
+                           f"groups lack{hint}") from error

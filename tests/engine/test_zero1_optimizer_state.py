@@ -96,3 +96,21 @@ def test_the_legacy_save_refuses_the_shards_of_stages_2_and_3(launched, tmp_path
                                              r"interval, 'ck.pt'\)"):
             save_checkpoint(tmp_path / "ck.pt", 0, engine.model, *args)
     assert not (tmp_path / "ck.pt").exists()
+
+
+@pytest.mark.slow  # FSDP2's first use starts a process (ldconfig)
+def test_an_optimizer_state_with_scheduler_keys_names_what_to_build_first(launched):
+    """Under stage 2/3 torch matches the saved groups' keys to the optimizer's: a state saved with an LR scheduler
+    (its groups hold 'initial_lr') loaded into an optimizer without one failed with a bare KeyError (found by a
+    probe)."""
+    launched({})
+    model, opt, engine, sched = build(2)
+    train(engine, sched, BATCHES[:1])
+    state = engine.state_dict()
+    torch.manual_seed(0)
+    bare = nn.Linear(4, 2)
+    fresh, *_ = colossal_lite.initialize(bare, torch.optim.SGD(bare.parameters(), lr=1.0, momentum=0.9),
+                                         nn.CrossEntropyLoss(), config=dict(zero=dict(stage=2)), verbose=False)
+    with pytest.raises(KeyError, match=r"the saved optimizer state has the parameter-group key 'initial_lr', which "
+                                       r"this optimizer's groups lack \(an LR scheduler adds it"):
+        fresh.load_state_dict(state)
