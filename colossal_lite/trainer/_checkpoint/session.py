@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ...checkpoint import CheckpointManager
-from ...core.dist import all_reduce_max_, collective_device, is_rank_0, log_rank_0, world_size
+from ...core.dist import all_reduce_max_, collective_device, log_rank_0, world_size
 from ...launch import preemption_exit_note, under_torchrun
 from .preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, exit_hard_at_interpreter_exit, signal_name
 from .restore import load_trainer_checkpoint
@@ -128,10 +128,9 @@ class CheckpointSession:
             raise KeyboardInterrupt
         if self._received is None:
             self._received = signum
-            if is_rank_0():  # (every rank of a torchrun job receives it: one line, as the library's other output)
-                again = " (Ctrl-C again stops at once, without a checkpoint)" if signum == signal.SIGINT else ""
-                os.write(2, f"{signal_name(signum)} received: finishing the current optimizer step, then writing a "
-                            f"checkpoint{again}\n".encode())
+            again = " (Ctrl-C again stops at once, without a checkpoint)" if signum == signal.SIGINT else ""
+            os.write(2, f"{signal_name(signum)} received: finishing the current optimizer step, then writing a "
+                        f"checkpoint{again}\n".encode())
 
     def close(self) -> None:
         """Put back the signal handlers that were there before ``fit``; a save still in flight (``fit`` failed)
