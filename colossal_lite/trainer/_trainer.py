@@ -29,6 +29,7 @@ from ..utils.data import DataParallelSampler, batches_per_epoch, skip_batches
 from ..utils.timer import MultiTimer
 from ._checkpoint.epoch_sums import TrainMetricSums
 from ._checkpoint.registry import StateRegistry
+from ._checkpoint.restore import batch_in_resized_epoch
 from ._epoch import SizedEpoch, UnsizedEpoch
 from ._padding import RealRows
 from ._predict import is_loader, predict_loader
@@ -111,6 +112,7 @@ class _CutEpoch:
     checkpoint would."""
 
     position: Tuple[int, int, int]  # (epoch, batch_idx, step)
+    batches: Optional[int]  # the epoch's batches per rank (None: a loader without len)
     sums: Dict[str, Any]  # this rank's train metrics' sums of the epoch so far (``TrainMetricSums.state_dict``)
     first_record: int  # len(history) at the cut: the records from here on are that fit's, of the cut epoch's end
     end_record: Optional[int] = None  # len(history) when that fit ended (None while it runs)
@@ -653,7 +655,8 @@ class Trainer:
         if self._recorder is not None:
             self._recorder.flush()  # (the steps' values kept on the device join the history before the mark)
         st = self.state
-        self._cut = _CutEpoch((st.epoch, st.batch_idx, st.step), self._metric_sums.state_dict(), len(self.history))
+        self._cut = _CutEpoch((st.epoch, st.batch_idx, st.step), st.iters_per_epoch, self._metric_sums.state_dict(),
+                              len(self.history))
 
     def _continue_cut_epoch(self) -> None:
         """When the run stands where the last fit cut an epoch short, this fit continues that epoch as a run
@@ -662,13 +665,31 @@ class Trainer:
         cut on (the epoch's values over its first batches, the evaluation after them) leaves the history, so the
         epoch is recorded once, over all its batches, as in an uninterrupted run. Values recorded between the two
         fits (``record_values``) stay."""
-        cut, self._cut = self._cut, None
-        st = self.state
+        cut, st = self._cut, self.state
         if cut is None or (st.epoch, st.batch_idx, st.step) != cut.position:
+            self._cut = None
             return  # (the run was moved: ``state`` set by hand)
+        if None not in (cut.batches, st.iters_per_epoch) and cut.batches != st.iters_per_epoch:
+            st.batch_idx = self._batch_in_resized_epoch(cut.batches)  # (a refusal keeps the cut for the next fit)
+        self._cut = None
         end = cut.end_record if cut.end_record is not None else len(self.history)
         self.history.forget(cut.first_record, end)
         self._metric_sums.load_state_dict(cut.sums)
+
+    def _batch_in_resized_epoch(self, batches: int) -> int:
+        """This fit's loader has another number of batches per epoch than the one whose epoch the last fit cut: the
+        batch past the same samples, as a resume from the checkpoint at the cut finds it, or a refusal."""
+        st = self.state
+        position = batch_in_resized_epoch(st.batch_idx, batches, st.iters_per_epoch, self._engine.window.size)
+        if position is None:
+            raise ValueError(f"fit(train_dataloader=...): the last fit stopped inside epoch {st.epoch}, after "
+                             f"{st.batch_idx} of its {batches} batches per rank, but this loader's epoch has "
+                             f"{st.iters_per_epoch}, and no whole number of them covers the samples already trained. "
+                             f"Fix: continue with a loader of that batch size and data, or finish the epoch with the one it began with")
+        log_rank_0(self._logger, f"the last fit stopped after {st.batch_idx} of epoch {st.epoch}'s {batches} batches "
+                                 f"per rank; this loader's epoch has {st.iters_per_epoch}: it goes on after batch "
+                                 f"{position}, past the same samples")
+        return position
 
     def _stops_after(self, epoch: int) -> bool:
         """The step limit was reached or a hook asked to stop (said on rank 0)."""

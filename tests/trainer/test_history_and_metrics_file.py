@@ -385,3 +385,21 @@ def test_the_metrics_file_is_strict_json_and_reads_back_nan_and_infinities(tmp_p
     assert math.isnan(back["train/none"]) and math.isnan(history.last("train/none"))
     assert (back["train/up"], back["train/down"]) == (history.last("train/up"), history.last("train/down"))
     assert back["train/Loss"] == history.last("train/Loss")
+
+
+def test_a_later_fit_on_a_loader_of_another_batch_size_goes_on_past_the_same_samples():
+    """The later fit's loader, of another batch size, skipped as many of its own batches as the cut fit had run
+    (with batches of 16 after 2 of 8: 32 samples where 16 were seen; with 3 batches an epoch, none of the epoch was
+    trained; found by a probe). It goes on past the same samples, as a resume from the checkpoint does, or refuses."""
+    _, engine, sched, loader = build()
+    trainer = Trainer(engine)
+    trainer.fit(loader, epochs=2, max_steps=7, hooks=hooks_for(sched), log_dir=False)
+    assert (trainer.cur_epoch, trainer.state.batch_idx, trainer.cur_step) == (1, 2, 7)  # 40 samples, 5 batches of 8
+    with pytest.raises(ValueError, match=r"the last fit stopped inside epoch 1, after 2 of its 5 batches per rank, "
+                                         r"but this loader's epoch has 3, and no whole number of them covers"):
+        trainer.fit(get_dataloader(dataset(), shuffle=True, seed=7, batch_size=16), epochs=2, hooks=hooks_for(sched),
+                    log_dir=False)
+    assert (trainer.cur_epoch, trainer.state.batch_idx, trainer.cur_step) == (1, 2, 7)  # nothing moved
+    halves = get_dataloader(dataset(), shuffle=True, seed=7, batch_size=4)
+    trainer.fit(halves, epochs=2, hooks=hooks_for(sched), log_dir=False)
+    assert (trainer.cur_epoch, trainer.cur_step) == (2, 7 + 6)  # after batch 4 of 10: the 6 batches of 4 left

@@ -15,7 +15,7 @@ from ...checkpoint.model_state import ModelMismatchError
 from ...core.dist import is_rank_0, log_rank_0, world_size
 from .contents import WINDOW_GRADS_IN_RANK_STATE, hook_entry, saved_hook_states
 
-__all__ = ["load_trainer_checkpoint", "restore_trainer_checkpoint"]
+__all__ = ["batch_in_resized_epoch", "load_trainer_checkpoint", "restore_trainer_checkpoint"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -108,8 +108,9 @@ def _position_in_epoch(trainer, path: Path, shared: Dict[str, Any]) -> Optional[
     open_window = ((shared.get("engine") or {}).get("accumulation") or {}).get("micro_step")
     if open_window and meta.get("world_size") != world_size():
         return None  # (refused where the window's gradients are read, naming the ranks to resume with)
-    if (done * now) % saved == 0 and (done * now // saved) % window == 0 and not open_window:
-        return done * now // saved
+    position = None if open_window else batch_in_resized_epoch(done, saved, now, window)
+    if position is not None:
+        return position
     raise CheckpointError(
         f"checkpoint {path} was taken inside an epoch, after {done} of its {saved} batches per rank "
         f"({meta.get('world_size')} rank(s)), but this run's epoch has {now} batches per rank ({world_size()} "
@@ -118,6 +119,15 @@ def _position_in_epoch(trainer, path: Path, shared: Dict[str, Any]) -> Optional[
                                                    if open_window else "") +
         ", so the rest of the epoch would be skipped or repeated. Fix: resume with the batch size and number of "
         "ranks the checkpoint was taken with, or from a checkpoint taken at an epoch's end")
+
+
+def batch_in_resized_epoch(done: int, saved: int, now: int, window: int) -> Optional[int]:
+    """The batch of an epoch of ``now`` batches per rank past the samples that ``done`` of an epoch of ``saved``
+    batches covered (the same share of the epoch's order); None when no whole number of batches, and of
+    accumulation windows of ``window``, covers them."""
+    if (done * now) % saved or (done * now // saved) % window:
+        return None
+    return done * now // saved
 
 
 def _restore_save_times(trainer, path: Path) -> None:
