@@ -195,3 +195,23 @@ def test_a_run_that_reached_max_steps_says_so_when_run_again(tmp_path, capfd):
     assert "already trained to step 7 (epoch 1, batch 2), nothing to do: this fit ends at max_steps=7; pass a larger " \
            "max_steps to train further" in log.out + log.err
     assert trainer.cur_step == 7
+
+
+def test_a_later_fit_of_the_same_trainer_past_the_schedules_end_warns_too():
+    """A second fit on the same trainer (no checkpoint read) ran past the schedule's end without the warning a
+    resumed run gets: a cosine climbed back up (found by a probe)."""
+    model, optimizer, engine, loader, _ = build()
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=2)
+    trainer = Trainer(engine)
+    hooks = [LossHook(), LRSchedulerHook(scheduler, by_epoch=True)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(loader, epochs=2, hooks=hooks)
+        assert not [w for w in caught if "was built for" in str(w.message)]
+        trainer.fit(loader, epochs=4, hooks=hooks)
+    short = [str(w.message) for w in caught if "was built for" in str(w.message)]
+    assert short == ["LRSchedulerHook.0: the CosineAnnealingLR this trainer's earlier fit stepped was built for that "
+                     "fit: it is 2 epochs long and has 0 left, but this fit runs 2 more epochs. Past its end the "
+                     "learning rate no longer follows a schedule (a cosine climbs back up, a decay stays at its last "
+                     "value). To extend a finished run, load only the engine state (model and optimizer) and build a "
+                     "scheduler for the epochs still to run: see 'Extending a finished run' in docs/checkpoints.md"]

@@ -703,10 +703,19 @@ class LRSchedulerHook(MetricHook):
         load_scheduler_state(self.lr_scheduler, state)
 
     def on_load_checkpoint(self, trainer, checkpoint):
+        self._length_checked = True
         st = trainer.state
         if st.fitting and st.total_steps and trainer.restored_from is not None and is_rank_0():
             warn_if_schedule_ends_early(trainer.state_registry.key_of(self, "hooks"), self.lr_scheduler, self.by_epoch, st,
                                         trainer.restored_from)
+
+    def before_train(self, trainer):
+        """A fit that goes on from an earlier fit of this trainer (no checkpoint read) past the schedule's end: the
+        same warning as a resumed one gets."""
+        st = trainer.state
+        if not self._length_checked and st.fitting and st.total_steps and (st.step or st.epoch) and is_rank_0():
+            warn_if_schedule_ends_early(trainer.state_registry.key_of(self, "hooks"), self.lr_scheduler, self.by_epoch, st,
+                                        None)
 
     def _current_lr(self) -> float:
         if hasattr(self.lr_scheduler, "get_last_lr"):
@@ -715,6 +724,7 @@ class LRSchedulerHook(MetricHook):
 
     def after_hook_is_attached(self, trainer):
         self._check_metric_states_initialization(trainer)
+        self._length_checked = False  # (a checkpoint restored in this fit checks the schedule's length)
         self.metric = None
         if self.store_lr_in_state:  # the metric and state.lr read the scheduler when asked: nothing per step
             self.metric = LearningRateMetric(epoch_only=self.by_epoch, device=device_of(trainer),

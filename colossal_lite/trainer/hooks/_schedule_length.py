@@ -46,8 +46,9 @@ def schedule_length(scheduler) -> Optional[int]:
 
 
 def warn_if_schedule_ends_early(key: str, scheduler, by_epoch: bool, state, path) -> None:
-    """Warn when ``scheduler``, just restored from ``path``, has fewer steps left than the run ``fit`` was asked
-    for (``state``: the trainer's ``State``): it was built for the run that wrote the checkpoint."""
+    """Warn when ``scheduler``, just restored from ``path`` (None: stepped by an earlier ``fit`` of this trainer), has
+    fewer steps left than the run ``fit`` was asked for (``state``: the trainer's ``State``): it was built for the
+    run that wrote the checkpoint, or for that earlier fit."""
     length = schedule_length(scheduler)
     if length is None:
         return
@@ -59,9 +60,11 @@ def warn_if_schedule_ends_early(key: str, scheduler, by_epoch: bool, state, path
     schedule_left = length - int(getattr(scheduler, "last_epoch", 0))
     if schedule_left >= run_left:
         return
+    name = type(_unwrapped(scheduler)).__name__
+    whence = (f"the {name} restored from {path} was built for the run that wrote it" if path is not None else
+              f"the {name} this trainer's earlier fit stepped was built for that fit")
     warnings.warn(
-        f"{key}: the {type(_unwrapped(scheduler)).__name__} restored from {path} was built for the run "
-        f"that wrote it: it is {length} {unit} long and has {max(schedule_left, 0)} left, but this fit runs "
+        f"{key}: {whence}: it is {length} {unit} long and has {max(schedule_left, 0)} left, but this fit runs "
         f"{run_left} more {unit}. Past its end the learning rate no longer follows a schedule (a cosine climbs "
         f"back up, a decay stays at its last value). To extend a finished run, load only the engine state (model "
         f"and optimizer) and build a scheduler for the {unit} still to run: see 'Extending a finished run' in "
