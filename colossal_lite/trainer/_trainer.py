@@ -685,7 +685,8 @@ class Trainer:
             raise ValueError(f"fit(train_dataloader=...): the last fit stopped inside epoch {st.epoch}, after "
                              f"{st.batch_idx} of its {batches} batches per rank, but this loader's epoch has "
                              f"{st.iters_per_epoch}, and no whole number of them covers the samples already trained. "
-                             f"Fix: continue with a loader of that batch size and data, or finish the epoch with the one it began with")
+                             f"Fix: continue with a loader of that batch size and data, or finish the epoch with the "
+                             f"one it began with")
         log_rank_0(self._logger, f"the last fit stopped after {st.batch_idx} of epoch {st.epoch}'s {batches} batches "
                                  f"per rank; this loader's epoch has {st.iters_per_epoch}: it goes on after batch "
                                  f"{position}, past the same samples")

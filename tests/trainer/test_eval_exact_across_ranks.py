@@ -318,4 +318,5 @@ def test_a_batch_of_variable_length_sequences_in_a_list_keeps_its_real_samples(r
         want = float(nn.functional.cross_entropy(model([data[i][0] for i in mine]), labels[mine], reduction="sum"))
     assert [n for lens, _, _ in seen for n in lens] == [lengths[i] for i in mine]  # whole sequences, the real ones
     assert [y for _, ys, _ in seen for y in ys] == labels[mine].tolist()
+    # (the batches' sums added against one sum over the rank's samples: the same terms, added in another order)
     assert sum(loss for _, _, loss in seen) == pytest.approx(want, rel=1e-6)

@@ -55,11 +55,13 @@ class EarlyStoppingHook(BaseHook):
         """A run whose patience was already spent (resumed from its last checkpoint, or fit again) trains no
         further: its stop is kept in this hook's state, not in the progress. A larger ``patience`` goes on."""
         if self.wait and self.wait >= self.patience:
-            st = trainer.state
-            st.stop_training = True
-            st.stop_reason = (f"EarlyStoppingHook: {self.monitor} had not improved for {self.wait} checks when the "
-                              f"run stopped (best {self._best_text()}); give a larger patience to train further")
-            log_rank_0(self.logger, st.stop_reason)
+            self._stop(trainer, f"EarlyStoppingHook: {self.monitor} had not improved for {self.wait} checks when the "
+                                f"run stopped (best {self._best_text()}); give a larger patience to train further")
+
+    def _stop(self, trainer, reason: str) -> None:
+        st = trainer.state
+        st.stop_training, st.stop_reason = True, reason
+        log_rank_0(self.logger, reason)
 
     def _best_text(self) -> str:
         return "none" if self.best is None else f"{self.best:.6g} at epoch {self.best_epoch}"
@@ -86,11 +88,8 @@ class EarlyStoppingHook(BaseHook):
             return
         self.wait += 1
         if self.wait >= self.patience:
-            st = trainer.state
-            st.stop_training = True
-            st.stop_reason = (f"EarlyStoppingHook: {self._phase}/{self._name} did not improve by more than "
-                              f"{self.min_delta:g} for {self.wait} checks (last {value:.6g}, best {self._best_text()})")
-            log_rank_0(self.logger, st.stop_reason)
+            self._stop(trainer, f"EarlyStoppingHook: {self._phase}/{self._name} did not improve by more than "
+                                f"{self.min_delta:g} for {self.wait} checks (last {value:.6g}, best {self._best_text()})")
 
     def after_train_epoch(self, trainer):
         if trainer.state.fitting and self._target(trainer)[0] == "train":

@@ -704,18 +704,21 @@ class LRSchedulerHook(MetricHook):
 
     def on_load_checkpoint(self, trainer, checkpoint):
         self._length_checked = True
-        st = trainer.state
-        if st.fitting and st.total_steps and trainer.restored_from is not None and is_rank_0():
-            warn_if_schedule_ends_early(trainer.state_registry.key_of(self, "hooks"), self.lr_scheduler, self.by_epoch, st,
-                                        trainer.restored_from)
+        if trainer.restored_from is not None:
+            self._warn_if_schedule_ends_early(trainer, trainer.restored_from)
 
     def before_train(self, trainer):
         """A fit that goes on from an earlier fit of this trainer (no checkpoint read) past the schedule's end: the
         same warning as a resumed one gets."""
         st = trainer.state
-        if not self._length_checked and st.fitting and st.total_steps and (st.step or st.epoch) and is_rank_0():
-            warn_if_schedule_ends_early(trainer.state_registry.key_of(self, "hooks"), self.lr_scheduler, self.by_epoch, st,
-                                        None)
+        if not self._length_checked and (st.step or st.epoch):
+            self._warn_if_schedule_ends_early(trainer, None)
+
+    def _warn_if_schedule_ends_early(self, trainer, restored_from) -> None:
+        st = trainer.state
+        if st.fitting and st.total_steps and is_rank_0():
+            warn_if_schedule_ends_early(trainer.state_registry.key_of(self, "hooks"), self.lr_scheduler, self.by_epoch,
+                                        st, restored_from)
 
     def _current_lr(self) -> float:
         if hasattr(self.lr_scheduler, "get_last_lr"):
