@@ -110,12 +110,12 @@ class AccumulationWindow:
 
     @property
     def opens_next(self) -> bool:
-        """``zero_grad`` now clears gradients: the micro-batch about to run (as announced) or running (with no
-        backward yet) opens a window."""
+        """``zero_grad`` now clears gradients: the micro-batch about to run (as announced) or running opens a
+        window (after its backward, clearing starts it over)."""
         if self._next is not None:
             return self._next.first
         if self.current is not None:
-            return self.current.first and not self.backward_done
+            return self.current.first
         return self.micro_step == 0
 
     @property

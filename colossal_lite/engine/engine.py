@@ -9,7 +9,7 @@ loss-scaling modes read one overflow flag per update, like torch's GradScaler).
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import torch
 from torch import nn
@@ -207,9 +207,19 @@ class Engine:
         return self.reduction.own_loss(loss, model_loss.count_tokens(batch) if counted else None)
 
     def zero_grad(self, set_to_none: bool = True):
-        """Clear gradients before a window's first micro-batch only."""
-        if self.window.opens_next:
-            self.precision.zero_grad(self._model, self._optimizer, set_to_none=set_to_none)
+        """Clear gradients before a window's first micro-batch only.
+
+        Called after a backward of that first micro-batch, before ``step()``, it starts the micro-batch over, as
+        ``optimizer.zero_grad()`` would: what the backward added is dropped (an optimizer's closure evaluating the
+        loss again, a loop that skips an update)."""
+        window = self.window
+        if not window.opens_next:
+            return
+        if window.backward_done:
+            window.backward_done = False
+            self.reduction.reset()
+            self.loss_guard.open_window()
+        self.precision.zero_grad(self._model, self._optimizer, set_to_none=set_to_none)
 
     def token_loss(self, loss_sum: torch.Tensor, num_tokens) -> torch.Tensor:
         """Record a micro-batch's real-token count; returns its per-token mean loss (what ``backward`` takes)."""
@@ -243,8 +253,15 @@ class Engine:
             self.strategy.set_gradient_sync(self._model, True)
 
     # -- the update: ``step`` = prepare_update, clip_gradients, apply_update -----------------------
-    def step(self) -> bool:
-        """End the micro-batch; at the end of a window, update the parameters. True if they were updated."""
+    def step(self, closure: Optional[Callable[[], torch.Tensor]] = None) -> bool:
+        """End the micro-batch; at the end of a window, update the parameters. True if they were updated.
+
+        ``closure``: for an optimizer that evaluates the loss itself (``torch.optim.LBFGS``), a function that runs
+        the batch through the engine (``engine.zero_grad()``, ``engine(x)``, ``engine.backward(loss)``) and returns
+        the loss; the optimizer calls it as often as it needs (``_step_with_closure``).
+        """
+        if closure is not None:
+            return self._step_with_closure(closure)
         window = self.window
         if not window.complete:
             current = window.current
@@ -286,6 +303,48 @@ class Engine:
         self.precision.step(self._optimizer)
         self._close_window()
         return self.num_updates != before
+
+    def _step_with_closure(self, closure: Callable[[], torch.Tensor]) -> bool:
+        """One update by an optimizer that calls ``closure`` itself. Each evaluation's gradients are made what
+        ``step()`` hands the optimizer (reduced over ranks, the configured reduction, clipped), and the loss it
+        returns to the optimizer is the mean over the data-parallel ranks: a line search or a tolerance on the loss
+        then decides alike on every rank, which keeps the ranks' collectives in step."""
+        self._check_closure_supported()
+
+        def evaluate():
+            loss = closure()
+            if not self.window.complete:
+                raise RuntimeError("engine.step(closure): the closure ran no engine.backward(loss). Fix: the closure "
+                                   "runs engine.zero_grad(), out = engine(x), loss = engine.criterion(out, y), "
+                                   "engine.backward(loss), and returns loss")
+            self.strategy.reduce_gradients(self._model)
+            self.reduction.finish(self._params, self.window.closing)
+            self.clip_gradients()
+            return self.strategy.mean_over_ranks(loss.detach())
+
+        before = self.num_updates
+        self._optimizer.step(evaluate)
+        self._close_window()
+        return self.num_updates != before
+
+    def _check_closure_supported(self) -> None:
+        """An update inside the optimizer's own loop cannot span micro-batches or be skipped by the engine."""
+        why = None
+        if self.window.size != 1 or self.auto_batcher is not None:
+            why = ("gradient accumulation splits a batch's gradient over several step() calls, and the optimizer "
+                   "evaluates the whole batch at each call of the closure. Fix: gradient_accumulation=1")
+        elif getattr(self.precision, "skips_nonfinite_steps", False):
+            why = ("fp16 loss scaling skips an update after checking the gradients, which it cannot do for an update "
+                   "the optimizer makes inside its own loop (torch's GradScaler refuses closures too). Fix: bf16 or "
+                   "fp32")
+        elif not self.strategy.takes_closures:
+            why = (f"{self.strategy.name} shards the optimizer's work across ranks, and an optimizer such as LBFGS "
+                   f"needs every parameter's gradient in one flat view. Fix: without zero, or with zero=None")
+        elif self.loss_guard.choice == "skip":
+            why = ("nonfinite_loss='skip' skips an update before the optimizer steps, which it cannot do for an update "
+                   "the optimizer makes inside its own loop. Fix: nonfinite_loss='raise' (the default)")
+        if why is not None:
+            raise ValueError(f"engine.step(closure): {why}")
 
     def _close_window(self) -> None:
         self.window.close()

@@ -46,6 +46,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
 class SingleProcess:
     name = "single process"
     shards_state = False  # True where each rank holds only a shard of the parameters, gradients and optimizer state
+    data_parallel = False  # the ranks train one model on their shares of each batch
+    takes_closures = True  # an optimizer's closure (LBFGS) can run through it: each rank steps every parameter
 
     def setup(self, model: nn.Module, optimizer):
         return model, optimizer
@@ -69,6 +71,15 @@ class SingleProcess:
 
     def reduce_gradients(self, model: nn.Module):
         pass
+
+    def mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` averaged over the data-parallel ranks (a collective where they are several: every rank calls
+        it); itself where each process trains alone."""
+        if not self.data_parallel or not dist.is_initialized() or dist.get_world_size() == 1:
+            return value
+        total = value.clone()
+        dist.all_reduce(total)
+        return total / dist.get_world_size()
 
     def explain(self, model: nn.Module, error: RuntimeError) -> Optional[RuntimeError]:
         """An error of the forward said in the config's words, with the fix; None: leave it as it is."""
@@ -108,6 +119,7 @@ class DDPStrategy(SingleProcess):
     """torch ``DistributedDataParallel`` with the config's ``torch_ddp`` keyword arguments."""
 
     name = "torch DDP"
+    data_parallel = True
 
     def __init__(self, **ddp_kwargs):
         self.ddp_kwargs = ddp_kwargs
@@ -189,6 +201,7 @@ class AllReduceStrategy(SingleProcess):
     """Average gradients over ranks with bucketed all-reduces in ``engine.step`` (no DDP)."""
 
     name = "gradient all-reduce (DataParallelGradientHandler)"
+    data_parallel = True
 
     def __init__(self, bucket_size_mb: float = 25.0):
         self.bucket_bytes = int(bucket_size_mb * 2**20)
@@ -246,6 +259,8 @@ class HandlerStrategy(SingleProcess):
     objects built by the user (``handlers``, the legacy ``Engine(gradient_handlers=[...])``). ``reduce_gradients``
     calls each one's ``handle_gradient()`` in order, once per optimizer update on every rank, before clipping.
     No DDP: the handlers are the gradient sync."""
+
+    data_parallel = True
 
     def __init__(self, configs: Sequence[dict] = (), handlers: Sequence = ()):
         self.configs = [dict(c) for c in configs]

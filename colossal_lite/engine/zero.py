@@ -104,6 +104,7 @@ class ZeroStage1Strategy(DDPStrategy):
     """Optimizer state sharded across ranks (``ZeroRedundancyOptimizer``), gradients all-reduced by DDP."""
 
     name = "ZeRO stage 1 (ZeroRedundancyOptimizer over DDP)"
+    takes_closures = False
 
     def __init__(self, **ddp_kwargs):
         # gradients as views of DDP's all-reduce buckets: one copy of the gradients per rank instead of two
@@ -149,6 +150,8 @@ class FSDPStrategy(SingleProcess):
     """FSDP2: gradients and optimizer state sharded (stage 2), parameters too (stage 3)."""
 
     shards_state = True
+    data_parallel = True
+    takes_closures = False
 
     def __init__(self, stage: int = 3, shard_modules: Optional[Sequence[str]] = None, offload_optimizer: bool = False,
                  reshard_after_forward: Optional[bool] = None, param_dtype: Optional[torch.dtype] = None):
