@@ -17,6 +17,7 @@ from .checkpoint import cli as ckpt_cli
 from .context.batch_size import resolve_batch_sizes
 from .context.config import ConfigException
 from .context.features import describe_features
+from .context.option_types import check_zero_world_size
 from .context.validation import load_config
 from .pipe_exit import BROKEN_PIPE_STATUS, quiet_on_broken_pipe
 from .trainer.speed_report import figures_from_records, format_report
@@ -67,6 +68,7 @@ def _check(path: str, world_size: int = 1, overrides: Optional[List[str]] = None
             warnings.simplefilter("always")
             config = load_config(path, overrides)
             resolve_batch_sizes(config, world_size)
+            check_zero_world_size(config, world_size)
     except (ConfigException, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .context.batch_size import resolve_batch_sizes
 from .context.defaults import DEFAULTS
+from .context.option_types import check_zero_world_size
 from .context.validation import load_config
 from .core.global_context import destroy_group_at_exit
 from .core.global_context import global_context as gpc
@@ -66,6 +67,7 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size): got rank={rank}, world_size={world_size}")
     resolve_batch_sizes(cfg, world_size)  # before any process group starts
+    check_zero_world_size(cfg, world_size)
     on_gpu = _wants_gpu(device)
     backend = _backend_for(backend, on_gpu, world_size)
     timeout = float(timeout if timeout is not None else cfg.get("dist_timeout", DEFAULT_TIMEOUT_S))

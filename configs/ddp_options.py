@@ -5,6 +5,6 @@ LEARNING_RATE = 0.1
 
 torch_ddp = dict(
     find_unused_parameters=True,  # needed when some parameters get no gradient in a step
-    broadcast_buffers=False,  # do not copy rank 0's buffers (e.g. BatchNorm statistics) every forward
+    gradient_as_bucket_view=True,  # gradients are views into DDP's buckets: one copy of them instead of two
     bucket_cap_mb=25,
 )

@@ -238,6 +238,7 @@ class NaiveAMPPrecision(FP32Precision):
                  max_scale: Optional[float] = _NAIVE["max_scale"], dynamic_grad_scale: bool = _NAIVE["dynamic_grad_scale"],
                  verbose: bool = _NAIVE["verbose"], log_num_zeros_in_grad: bool = _NAIVE["log_num_zeros_in_grad"]):
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        self.verbose = verbose  # rank 0 logs each change of the loss scale, as legacy's scaler did
         self.scaler = DynamicGradScaler(initial_scale, growth_factor, backoff_factor, growth_interval, min_scale,
                                         max_scale, hysteresis, dynamic=dynamic_grad_scale)
         self._pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (fp16 model param, fp32 master)
@@ -296,7 +297,12 @@ class NaiveAMPPrecision(FP32Precision):
         overflow = bool(self._found_inf.item())  # the one device read per update in this mode
         if self.log_num_zeros_in_grad and not overflow and is_rank_0():
             self._log_zeros_in_grad()  # before the update, so the line names the scale these gradients had
+        scale = self.scaler.scale
         self.scaler.update(overflow)
+        if self.verbose and self.scaler.scale != scale:
+            # the scale is a host float, so this costs no device read
+            why = "an overflow (update skipped)" if overflow else f"{self.scaler.growth_interval} updates without overflow"
+            log_rank_0(None, f"naive fp16: loss scale {scale:.10g} -> {self.scaler.scale:.10g} after {why}")
         if not overflow:
             optimizer.step()
             with torch.no_grad():

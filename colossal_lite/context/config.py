@@ -228,7 +228,7 @@ def _execute_isolated(tree: ast.Module, path: Path) -> Tuple[types.ModuleType, D
     except Exception as e:  # the user's config raised: point at its line
         line = _line_in(e, path)
         where = f"{path}:{line}" if line else str(path)
-        raise ConfigException(f"{where}: error while executing config: {type(e).__name__}: {e}") from e
+        raise ConfigException(f"{where}: error while executing config: {type(e).__name__}: {e}{_fix_of(e)}") from e
     finally:
         sys.modules.pop(module_name, None)
         # forget the sibling modules and packages (and their submodules) imported from the config's folder
@@ -242,6 +242,15 @@ def _execute_isolated(tree: ast.Module, path: Path) -> Tuple[types.ModuleType, D
                 siblings[Path(file).resolve()] = dict(vars(sibling))
         sys.path[:] = path_before
     return module, siblings
+
+
+def _fix_of(error: BaseException) -> str:
+    """The fix of an error a config raised, where one is known: a legacy Colossal-AI config imports ``colossalai``,
+    whose names (``AMP_TYPE``) colossal_lite keeps under its own package."""
+    name = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    if name == "colossalai" or (name or "").startswith("colossalai."):
+        return ". Fix: replace 'colossalai' with 'colossal_lite' in the config's imports"
+    return ""
 
 
 def _line_in(error: BaseException, path: Path) -> Optional[int]:

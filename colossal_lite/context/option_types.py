@@ -11,6 +11,7 @@ import inspect
 import numbers
 from typing import Any, Dict, Optional
 
+from .config import ConfigException
 from .hints import as_bool, as_number, as_positive_int, as_positive_number
 
 # DDP options that are flags whatever their default (``broadcast_buffers`` defaults to None in recent torch);
@@ -71,6 +72,21 @@ def check_zero_options(checker, zero: dict) -> None:
                      checker.write(path, as_positive_int(reshard) if meant is None else meant, True))
 
 
+def check_zero_world_size(config, world_size: int) -> None:
+    """An int ``reshard_after_forward`` is the size of the rank groups FSDP2 reshards to after each forward, so it
+    must divide the world size, which only the launch knows; refused there, before any process group starts,
+    rather than by FSDP2's bare ``ValueError`` inside ``initialize``."""
+    zero = config.get("zero") or {}
+    reshard = zero.get("reshard_after_forward")
+    if not _is_int(reshard) or zero.get("stage") not in (2, 3) or world_size % reshard == 0:
+        return
+    factors = ", ".join(str(n) for n in range(1, world_size + 1) if world_size % n == 0)
+    raise ConfigException(
+        f"{config._where('zero', 'reshard_after_forward')}: config key 'zero.reshard_after_forward': {reshard} is not a "
+        f"factor of the world size {world_size} (FSDP2 reshards each unit's parameters to groups of that many ranks "
+        f"after its forward). Fix: use a factor of {world_size} ({factors}), True (reshard to all ranks) or False")
+
+
 def _class_names(modules) -> Optional[list]:
     """``['Block']`` meant by ``'Block'``, ``Block`` or ``[Block, 'Head']`` (classes named by their name)."""
     items = modules if isinstance(modules, (list, tuple)) else [modules]
@@ -95,7 +111,8 @@ def check_handler_options(checker, index: int, entry: dict, constructor) -> None
 
 
 def check_compile_option(checker, name: str, value) -> None:
-    """``fullgraph`` a flag, ``dynamic`` a flag or None, ``options`` a dict, ``mode`` a string (or None)."""
+    """``fullgraph`` a flag, ``dynamic`` a flag or None, ``options`` a dict, ``mode`` a string (or None),
+    ``backend`` a name or a callable."""
     path = ("compile", name)
     if name in COMPILE_FLAGS:
         checker.flag(path, value, none_ok=name == "dynamic")
@@ -104,3 +121,6 @@ def check_compile_option(checker, name: str, value) -> None:
                      checker.write(path, None, {"triton.cudagraphs": False}))
     elif name == "mode" and value is not None and not isinstance(value, str):
         checker.fail(path, f"expected a mode name, got {value!r}", checker.write(path, None, "max-autotune"))
+    elif name == "backend" and not (isinstance(value, str) or callable(value)):
+        checker.fail(path, f"expected a backend name or a callable (torch.compile's backend), got {value!r}",
+                     checker.write(path, None, "inductor"))

@@ -32,7 +32,6 @@ from .overrides import OverriddenSource, apply_overrides, cli_spelling
 # (None: the key has no effect and is dropped).
 LEGACY_ZERO_KEYS = dict(level="stage", cpu_offload="offload_optimizer", verbose=None)
 GRADIENT_HANDLERS = ("DataParallelGradientHandler",)  # built in; a user's own are found in the GRADIENT_HANDLER registry
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # Common misspellings, mapped to the key that was meant.
 ALIASES = {
@@ -47,6 +46,33 @@ ALIASES = {
 
 def _is_bool(v):
     return isinstance(v, bool)
+
+# Names other frameworks give their features (DeepSpeed, Lightning, Hugging Face, DDP's own keyword arguments), with
+# colossal_lite's way to say the same. They stay the user's own values, as every other lowercase name does, but each
+# gives a ForeignConfigKeyWarning: a user who wrote one most likely expected it to switch the feature on.
+FOREIGN_KEYS = {
+    "bf16": "fp16 = dict(mode=AMP_TYPE.BF16)", "use_fp16": "fp16 = dict(mode=AMP_TYPE.TORCH)",
+    "fp16_mode": "fp16 = dict(mode=AMP_TYPE.TORCH)", "half": "fp16 = dict(mode=AMP_TYPE.TORCH)",
+    "fp16_opt_level": "fp16 = dict(mode=AMP_TYPE.TORCH)",
+    "zero_stage": "zero = dict(stage=2)", "zero_optimization": "zero = dict(stage=2)",
+    "gradient_clip_val": "clip_grad_norm = 1.0", "max_norm": "clip_grad_norm = 1.0", "clip_norm": "clip_grad_norm = 1.0",
+    "accum_steps": "gradient_accumulation = 4",
+    "find_unused_parameters": "torch_ddp = dict(find_unused_parameters=True)",
+    "bucket_cap_mb": "torch_ddp = dict(bucket_cap_mb=25)", "static_graph": "torch_ddp = dict(static_graph=True)",
+    "gradient_as_bucket_view": "torch_ddp = dict(gradient_as_bucket_view=True)",
+    "torch_compile": "compile = True",
+}
+
+
+class ForeignConfigKeyWarning(UserWarning):
+    """A config name another framework reads as a feature setting, kept as the user's own value. A user whose own
+    value it is silences it with ``warnings.filterwarnings('ignore', category=ForeignConfigKeyWarning)``."""
+
+
+def _is_stage(v):
+    """A ZeRO stage: the int 1, 2 or 3 (True and 2.0 compare equal to 1 and 2, and a stage read from them would
+    not be the int the rest of the code compares with)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v in (1, 2, 3)
 
 
 def _is_number(v):
@@ -117,14 +143,40 @@ class _Checker:
             if opt not in options:
                 self._unknown_amp_option(mode, opt, options)
             self._amp_option(opt, v, options)
-        if mode is AMP_TYPE.TORCH and "growth_factor" in value and value["growth_factor"] <= 1:
+        self._scale_factors(value, options)
+        if mode is AMP_TYPE.NAIVE:
+            self._scale_bounds(value)
+
+    def _scale_factors(self, value: dict, options: dict):
+        """A growth factor of 1 or less would shrink the scale after good steps (or never grow it), and a backoff
+        factor of 1 or more would not back it off after an overflow: both modes' scalers multiply by them."""
+        if "growth_factor" in value and value["growth_factor"] <= 1:
             v = value["growth_factor"]
-            self.fail(("fp16", "growth_factor"), "must be > 1 (the loss scale is multiplied by it)",
-                      f"write growth_factor={py(round(1 / v, 4)) if 0 < v < 1 else options['growth_factor']}")
+            self.fail(("fp16", "growth_factor"), f"must be > 1 (the loss scale is multiplied by it after "
+                      f"growth_interval good steps), got {v!r}",
+                      self.write(("fp16", "growth_factor"), round(1 / v, 4) if 0 < v < 1 else None,
+                                 options["growth_factor"]))
         if "backoff_factor" in value and not 0 < value["backoff_factor"] < 1:
             v = value["backoff_factor"]
             self.fail(("fp16", "backoff_factor"), "must be between 0 and 1 (the loss scale is multiplied by it)",
                       f"write backoff_factor={py(round(1 / v, 4)) if v > 1 else options['backoff_factor']}")
+
+    def _scale_bounds(self, value: dict):
+        """Naive fp16's scale starts at ``initial_scale`` and stays within ``[min_scale, max_scale]``; bounds that
+        exclude it (legacy Colossal-AI's scaler asserted they did not) would clamp it at the first change."""
+        low, high = value.get("min_scale"), value.get("max_scale")
+        if low is not None and high is not None and low > high:
+            self.fail(("fp16", "min_scale"), f"is {py(low)}, above max_scale={py(high)}",
+                      f"swap them: write min_scale={py(high)}, max_scale={py(low)}")
+        initial = value.get("initial_scale", NAIVE_AMP_OPTIONS["initial_scale"])
+        for bound, name, outside in ((low, "min_scale", "below"), (high, "max_scale", "above")):
+            if bound is None or (initial >= bound if name == "min_scale" else initial <= bound):
+                continue
+            if "initial_scale" in value:
+                self.fail(("fp16", "initial_scale"), f"is {py(initial)}, {outside} {name}={py(bound)}",
+                          f"write initial_scale={py(bound)} (or change {name})")
+            self.fail(("fp16", name), f"is {py(bound)}, but initial_scale is {py(initial)} (its default), {outside} it",
+                      f"add initial_scale={py(bound)} (or change {name})")
 
     def _legacy_naive_clipping(self, value: dict) -> dict:
         """Legacy naive fp16 took the clipping norm in its own dict (``FP16Optimizer(clip_grad_norm=...)``): it is
@@ -147,6 +199,13 @@ class _Checker:
         return rest
 
     def _unknown_amp_option(self, mode, opt, options):
+        if opt in FEATURE_KEYS:  # a feature key inside fp16 does nothing: it works at the top level, with its value
+            v, top = self.config["fp16"][opt], self.config.get(opt)
+            fix = (f"write --set {opt}={cli_spelling(v)}" if self.from_command_line(("fp16", opt)) else
+                   f"remove it here: the top-level {opt} = {py(top)} is the one read" if opt in self.config else
+                   f"move it to the top level of the config file: {opt} = {py(v)}")
+            self.fail(("fp16", opt), f"is a top-level config key, not an option of mode {mode.name if mode else None}, "
+                      f"so inside fp16 it would have no effect", fix)
         accepted = ", ".join(options) or "no options"
         owner = next((m for m, opts in ((AMP_TYPE.TORCH, TORCH_AMP_OPTIONS), (AMP_TYPE.NAIVE, NAIVE_AMP_OPTIONS))
                       if opt in opts), None)
@@ -241,9 +300,14 @@ class _Checker:
             if k not in ("pipeline", "tensor"):
                 self.fail(("parallel", k), "unknown parallel mode", "remove it; only data parallelism is supported")
             size = v.get("size", 1) if isinstance(v, dict) else v
-            if size not in (None, 1):
-                self.fail(("parallel", k), f"{k} parallelism (size {size}) is not supported by colossal_lite",
+            if size is None or size == 1 and isinstance(size, int) and not _is_bool(size):
+                continue
+            if as_positive_int(size) not in (None, 1):
+                self.fail(("parallel", k), f"{k} parallelism (size {size!r}) is not supported by colossal_lite",
                           f"remove parallel.{k}; scale with data parallelism and zero=dict(stage=...) instead")
+            path = ("parallel", k, "size") if isinstance(v, dict) else ("parallel", k)
+            self.fail(path, f"expected the int 1 (no {k} parallelism) or None, got {size!r}",
+                      f"remove parallel.{k} (only data parallelism is supported)")
 
     def zero(self, value):
         if not isinstance(value, dict):
@@ -259,7 +323,7 @@ class _Checker:
                           f"(accepted: {', '.join(ZERO_OPTIONS)})")
         if any(k in value for k in LEGACY_ZERO_KEYS):
             value = self._legacy_zero(value)
-        if value.get("stage") not in (1, 2, 3):
+        if not _is_stage(value.get("stage")):
             stage = as_positive_int(value.get("stage"))
             stage = stage if stage in (1, 2, 3) else None
             fix = (self.write(("zero", "stage"), stage, 2) if self.from_command_line(("zero", "stage")) else
@@ -274,8 +338,8 @@ class _Checker:
         for k, v in value.items():
             new = LEGACY_ZERO_KEYS.get(k, k)
             if k in LEGACY_ZERO_KEYS and new in value:
-                self.fail(("zero", k), f"is the legacy name of '{new}', which is set too", f"remove '{k}'")
-            if k == "level" and (_is_bool(v) or v not in (1, 2, 3)):
+                self._legacy_and_new_zero_key(k, new, value)
+            if k == "level" and not _is_stage(v):
                 level = as_positive_int(v)
                 self.fail(("zero", "level"), f"expected 1, 2 or 3 (the ZeRO stage), got {v!r}",
                           self.write(("zero", "level"), dict(stage=level) if level in (1, 2, 3) else None, dict(stage=2),
@@ -289,6 +353,22 @@ class _Checker:
                                f"read as zero = {py(mapped)}" + (" (verbose has no effect)" if "verbose" in value else ""),
                                ranks=[0])
         return mapped
+
+    def _legacy_and_new_zero_key(self, legacy: str, new: str, value: dict):
+        """Both names of one zero option. When an override set one of them, removing the other from the file is no
+        fix a command line can give: the override that works sets the name the file uses."""
+        by_override = {name: self.config._source.override_of(("zero", name)) if self.from_command_line(("zero", name))
+                       else None for name in (legacy, new)}
+        problem = f"is the legacy name of '{new}', which is set too"
+        if by_override[legacy] and by_override[new]:
+            self.fail(("zero",), problem, f"keep one of --set {by_override[legacy]} and --set {by_override[new]}",
+                      key=f"zero.{legacy}")
+        for given, used in ((new, legacy), (legacy, new)):
+            if by_override[given]:
+                self.fail(("zero",), f"is the legacy name of '{new}'; --set {by_override[given]} sets "
+                          f"'{given}' while the config sets '{used}'", f"write --set zero.{used}="
+                          f"{cli_spelling(value[given])} instead (the name the config uses)", key=f"zero.{legacy}")
+        self.fail(("zero", legacy), problem, f"remove '{legacy}'")
 
     def dist_timeout(self, value):
         if not _is_number(value) or value <= 0:
@@ -324,7 +404,7 @@ class _Checker:
             return
         allowed = {"mode", "fullgraph", "dynamic", "backend", "options"}
         if not isinstance(value, dict):
-            mode = as_choice(value, COMPILE_MODES)
+            mode = as_choice(value, compile_modes())
             meant = dict(mode=mode) if mode else as_bool(value) if isinstance(value, int) else None
             self.fail(("compile",), f"expected True/False or a dict of torch.compile options, got {type(value).__name__}",
                       self.write(("compile",), meant, dict(mode="default")))
@@ -333,12 +413,29 @@ class _Checker:
                 self.fail(("compile", k), "not an option of torch.compile",
                           f"remove it{self._suggest(k, allowed)} (accepted: {', '.join(sorted(allowed))})")
             check_compile_option(self, k, v)
+        mode = value.get("mode")
+        if mode is not None and value.get("options") is not None:
+            self.fail(("compile", "mode"), "torch.compile takes 'mode' or 'options', not both",
+                      "remove one of them (a mode is a named set of inductor options)")
+        # a mode names a preset of the inductor backend; another backend reads it in its own way
+        if mode is not None and value.get("backend", "inductor") == "inductor" and mode not in compile_modes():
+            self.fail(("compile", "mode"), f"unknown torch.compile mode {mode!r}",
+                      self.write(("compile", "mode"), as_choice(mode, compile_modes()), "default") +
+                      f" (accepted: {', '.join(compile_modes())})")
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
     def _suggest(name, candidates) -> str:
         close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
         return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def compile_modes() -> List[str]:
+    """The modes the installed torch.compile accepts for its default (inductor) backend; torch._inductor is
+    imported here, when a config asks for a mode, because importing it costs seconds."""
+    from torch._inductor import list_mode_options
+
+    return ["default", *(m for m in list_mode_options() if m != "default")]
 
 
 def _dotted(path, value):
@@ -450,9 +547,22 @@ def validate_config(config: Config) -> List[str]:
         if not isinstance(key, str) or key.isupper() or key.startswith("_"):
             continue
         if key in FEATURE_KEYS:
+            if value is None and key != "fp16" and checker.from_command_line((key,)):
+                # --set KEY=None takes the key away (its default applies), as initialize(config=dict(KEY=None))
+                # does; fp16 = None is a value of its own (fp32) and stays
+                del config[key]
+                continue
             getattr(checker, key)(value)
             continue
         _check_unknown_key(checker, key)
+        if key in FOREIGN_KEYS:
+            msg = (f"{config._where(key)}: config key '{key}' is not a colossal_lite option (kept as your own value); "
+                   f"colossal_lite's is {FOREIGN_KEYS[key]}. Fix: write that instead, or, if '{key}' is your own "
+                   f"value, write it in UPPERCASE or filter ForeignConfigKeyWarning (from colossal_lite.context)")
+            # attributed to this line, so Python's default filter shows each message once however often the config
+            # is checked (launch_from_torch checks it before launch does)
+            warnings.warn(msg, ForeignConfigKeyWarning, stacklevel=1)
+            notes.append(msg)
     # a feature dict nested inside another top-level dict does nothing (CONFIG = dict(fp16=...))
     for key, value in config.items():
         if isinstance(key, str) and key not in FEATURE_KEYS and isinstance(value, dict):

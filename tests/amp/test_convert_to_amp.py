@@ -182,7 +182,8 @@ def test_naive_clipping_in_the_fp16_dict_and_at_the_top_level_must_agree():
         load_config(dict(fp16=dict(mode=AMP_TYPE.NAIVE, clip_grad_norm=0.5), clip_grad_norm=1.0))
     with pytest.raises(ConfigException, match=r"config key 'fp16.clip_grad_norm': expected a number >= 0"):
         load_config(dict(fp16=dict(mode=AMP_TYPE.NAIVE, clip_grad_norm=-1)))
-    with pytest.raises(ConfigException, match=r"config key 'fp16.clip_grad_norm': not an option of mode TORCH"):
+    with pytest.raises(ConfigException, match=r"config key 'fp16.clip_grad_norm': is a top-level config key, not an "
+                                              r"option of mode TORCH.*Fix: move it to the top level"):
         load_config(dict(fp16=dict(mode=AMP_TYPE.TORCH, clip_grad_norm=1.0)))  # (legacy's GradScaler took none)
 
 

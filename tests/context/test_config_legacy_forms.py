@@ -1,5 +1,6 @@
 """Legacy config forms of the Colossal-AI docs and examples: ``fp16=dict(mode=AMP_TYPE.NAIVE,
 log_num_zeros_in_grad=...)`` is accepted and, when true, rank 0 logs the zero gradient elements of each update;
+``verbose=True`` logs each change of the loss scale;
 ``zero=dict(level=..., cpu_offload=...)`` is read in today's names; ``gradient_clipping`` (a silent no-op in
 legacy) stays refused with its fix."""
 import textwrap
@@ -119,3 +120,35 @@ def test_two_ranks_rank_0_logs_the_count_of_the_reduced_gradients(tmp_path):
     lines = [line for line in out.splitlines() if "gradient elements are zero" in line]
     assert len(lines) == 3, out  # rank 0 only, once per update
     assert all("naive fp16: 6 of 15 gradient elements are zero" in line for line in lines), out
+
+
+def test_naive_verbose_logs_each_change_of_the_loss_scale(capsys):
+    """``verbose=True`` was accepted and did nothing; legacy's scaler logged each change of the scale. One overflow
+    (hysteresis=1) halves it, two good updates (growth_interval=2) double it, and updates between log nothing."""
+    from colossal_lite.amp.precision import NaiveAMPPrecision
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    precision = NaiveAMPPrecision(initial_scale=2.0**10, growth_interval=2, hysteresis=1, verbose=True)
+    model, opt = precision.setup(model, opt)
+    for inputs in (torch.full((2, 4), 1e4), torch.ones(2, 4), torch.ones(2, 4), torch.ones(2, 4)):  # 1e4**2: inf
+        precision.zero_grad(model, opt)
+        precision.backward(model(inputs).pow(2).sum())
+        precision.step(opt)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "loss scale" in line]  # rank 0's logger
+    assert [line.partition("INFO: ")[2] for line in lines] == [
+        "naive fp16: loss scale 1024 -> 512 after an overflow (update skipped)",
+        "naive fp16: loss scale 512 -> 1024 after 2 updates without overflow"]
+    assert precision.loss_scale == 1024
+
+
+def test_naive_without_verbose_logs_no_loss_scale(capsys):
+    from colossal_lite.amp.precision import NaiveAMPPrecision
+
+    model = torch.nn.Linear(4, 2)
+    precision = NaiveAMPPrecision(initial_scale=2.0**10, hysteresis=1)
+    model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    precision.backward(model(torch.full((2, 4), 1e4)).pow(2).sum())
+    precision.step(opt)
+    assert precision.loss_scale == 512 and "loss scale" not in capsys.readouterr().out

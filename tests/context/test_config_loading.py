@@ -224,3 +224,15 @@ def test_failed_sibling_import_names_the_config_line_and_cleans_up(tmp_path):
         Config.from_file(path)
     assert f"{path}:2" in str(e.value) and "no_such_sibling_module_q" in str(e.value)
     assert sys.path == path_before
+
+
+@pytest.mark.parametrize("line", ["from colossalai.amp import AMP_TYPE", "import colossalai"])
+def test_a_legacy_import_of_colossalai_names_the_fix(tmp_path, line):
+    """A legacy Colossal-AI config fails at its first line, and the bare ModuleNotFoundError said nothing more."""
+    path = write(tmp_path / "legacy.py", f"{line}\nfp16 = dict(mode='naive')\n")
+    with pytest.raises(ConfigException) as e:
+        Config.from_file(path)
+    assert str(e.value) == (f"{path}:1: error while executing config: ModuleNotFoundError: No module named "
+                            f"'colossalai'. Fix: replace 'colossalai' with 'colossal_lite' in the config's imports")
+    write(path, f"{line.replace('colossalai', 'colossal_lite')}\nfp16 = dict(mode='naive')\n")
+    assert Config.from_file(path).fp16.mode == "naive"

@@ -5,7 +5,9 @@ import pytest
 
 from colossal_lite.cli import main
 from colossal_lite.context import ConfigException
-from colossal_lite.context.validation import load_config
+from colossal_lite.context.option_types import check_zero_world_size
+from colossal_lite.context.validation import compile_modes, load_config
+from colossal_lite.launch import launch
 from colossal_lite.registry import GRADIENT_HANDLER
 
 
@@ -42,6 +44,14 @@ def refused(config, overrides=()):
                                                    "Fix: write enabled=False"),
     ({"compile": {"fullgraph": "true"}}, "config key 'compile.fullgraph': expected True or False, got 'true'. "
                                          "Fix: write fullgraph=True"),
+    # passed the check and failed inside torch.compile at initialize, or at the first forward (found by a probe)
+    ({"compile": {"mode": "fast"}}, "config key 'compile.mode': unknown torch.compile mode 'fast'. Fix: write e.g. "
+                                    "mode='default' (accepted: default, "),
+    ({"compile": {"mode": "max_autotune"}}, "Fix: write mode='max-autotune' (accepted: "),
+    ({"compile": {"backend": 3}}, "config key 'compile.backend': expected a backend name or a callable "
+                                  "(torch.compile's backend), got 3. Fix: write e.g. backend='inductor'"),
+    ({"compile": {"mode": "default", "options": {}}}, "config key 'compile.mode': torch.compile takes 'mode' or "
+                                                       "'options', not both"),
 ])
 def test_an_option_of_the_wrong_type_is_refused_naming_key_and_fix(config, message):
     assert message in refused(config)
@@ -76,7 +86,11 @@ def test_on_the_command_line_the_fix_is_the_override_that_works():
     {"zero": {"stage": 3, "offload_optimizer": True, "shard_modules": ["Block"], "reshard_after_forward": 2}},
     {"zero": {"stage": 2, "shard_modules": ("Block", "Head"), "reshard_after_forward": None}},
     {"gradient_handler": [{"type": "DataParallelGradientHandler", "bucket_size_mb": 12.5}]},
-    {"compile": {"mode": "max-autotune", "fullgraph": True, "dynamic": None, "options": {}}},
+    {"compile": {"mode": "max-autotune", "fullgraph": True, "dynamic": None}},
+    {"compile": {"mode": "lite"}},  # a mode of recent torch, taken from torch itself
+    {"compile": {"options": {"triton.cudagraphs": False}, "backend": "inductor"}},
+    {"compile": {"mode": "anything", "backend": "eager"}},  # another backend reads the mode in its own way
+    {"compile": {"backend": lambda gm, example_inputs: gm}},
 ])
 def test_options_of_the_right_type_pass(config):
     load_config(config)
@@ -98,3 +112,38 @@ def test_a_flag_of_a_registered_handler_must_be_a_bool(flagged_handler):
     assert "config key 'gradient_handler[0].average': expected True or False, got 'false'. " \
            "Fix: write average=False" in message
     load_config({"gradient_handler": [{"type": flagged_handler, "average": False, "scale": "anything"}]})
+
+
+def test_the_compile_modes_are_the_installed_torchs():
+    from torch._inductor import list_mode_options
+
+    assert set(compile_modes()) == {"default", *list_mode_options()}
+
+
+@pytest.mark.parametrize("reshard, world_size", [(3, 2), (2, 3), (4, 2), (2, 1)])
+def test_a_reshard_group_that_does_not_divide_the_world_size_is_refused_at_launch(tmp_path, capsys, reshard,
+                                                                                   world_size):
+    """FSDP2 refused it inside initialize with a bare ValueError ("should be a factor of 2")."""
+    path = tmp_path / "config.py"
+    path.write_text(f"zero = dict(\n    stage=3,\n    reshard_after_forward={reshard},\n)\n")
+    config = load_config(path)
+    with pytest.raises(ConfigException) as e:
+        check_zero_world_size(config, world_size)
+    factors = ", ".join(str(n) for n in range(1, world_size + 1) if world_size % n == 0)
+    assert str(e.value) == (
+        f"{path}:3: config key 'zero.reshard_after_forward': {reshard} is not a factor of the world size {world_size} "
+        f"(FSDP2 reshards each unit's parameters to groups of that many ranks after its forward). Fix: use a factor "
+        f"of {world_size} ({factors}), True (reshard to all ranks) or False")
+    assert main(["check", str(path), "--world-size", str(world_size)]) == 1
+    assert "zero.reshard_after_forward" in capsys.readouterr().err
+    if world_size > 1:  # launch refuses it before it starts a process group (no peer will come)
+        with pytest.raises(ConfigException, match="is not a factor of the world size"):
+            launch(str(path), rank=0, world_size=world_size, host="127.0.0.1", port=29779, timeout=5, verbose=False)
+
+
+@pytest.mark.parametrize("zero, world_size", [
+    ({"stage": 3, "reshard_after_forward": 2}, 4), ({"stage": 2, "reshard_after_forward": 2}, 2),
+    ({"stage": 3, "reshard_after_forward": True}, 3), ({"stage": 3}, 3),
+])
+def test_a_reshard_group_that_divides_the_world_size_passes(zero, world_size):
+    check_zero_world_size(load_config({"zero": zero}), world_size)

@@ -79,6 +79,43 @@ def test_a_bad_override_value_is_refused_like_a_config_line(config_file):
         load_config(path, ["BATCH_SIZE=16"])
 
 
+LEGACY_ZERO = "BATCH_SIZE = 8\nzero = dict(\n    level=2,\n    cpu_offload=True,\n)\n"
+
+
+@pytest.mark.parametrize("override, key, working, zero", [
+    ("zero.stage=3", "zero.level", "zero.level=3", {"stage": 3, "offload_optimizer": True}),
+    ("zero.offload_optimizer=False", "zero.cpu_offload", "zero.cpu_offload=False", {"stage": 2}),
+])
+def test_an_override_of_a_legacy_zero_key_names_itself_and_the_override_that_works(tmp_path, override, key, working,
+                                                                                   zero):
+    """"remove 'level'" named only the file's line, and no command line can remove a key of the file."""
+    path = tmp_path / "legacy.py"
+    path.write_text(LEGACY_ZERO)
+    with pytest.raises(ConfigException) as e:
+        load_config(path, [override])
+    message = str(e.value)
+    assert message.startswith(f"{path}:2 (with --set {override}): config key '{key}': "), message
+    assert message.endswith(f"Fix: write --set {working} instead (the name the config uses)"), message
+    assert load_config(path, [working]).zero == zero
+
+
+@pytest.mark.parametrize("key", ["zero", "torch_ddp", "gradient_handler", "compile", "clip_grad_norm",
+                                 "gradient_accumulation", "cudnn_benchmark", "dist_timeout", "micro_batch_size",
+                                 "grad_reduction", "nonfinite_loss", "parallel"])
+def test_set_none_takes_a_feature_key_away_as_initialize_does(key):
+    """``initialize(config=dict(zero=None))`` takes the key away; ``--set zero=None`` was refused for all but fp16."""
+    given = {"zero": {"stage": 1}, "torch_ddp": {"bucket_cap_mb": 10}, "clip_grad_norm": 1.0, "parallel": {"data": 2}}
+    config = load_config(given, [f"{key}=None"])
+    assert key not in config and {k: v for k, v in given.items() if k != key}.items() <= config.items()
+
+
+def test_none_written_in_a_file_is_still_refused_where_it_was(tmp_path):
+    path = tmp_path / "config.py"
+    path.write_text("zero = None\n")
+    with pytest.raises(ConfigException, match=rf"^{re.escape(str(path))}:1: config key 'zero': expected a dict"):
+        load_config(path)
+
+
 @pytest.mark.parametrize("text, message", [
     ("zero", r"^--set zero: no '=' in the override\. Fix: write --set KEY=VALUE"),
     ("=1", r"^--set =1: the key '' has an empty part"),

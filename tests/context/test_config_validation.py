@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from colossal_lite.context import Config, ConfigException
-from colossal_lite.context.validation import FEATURE_KEYS, validate_config
+from colossal_lite.context import Config, ConfigException, ForeignConfigKeyWarning
+from colossal_lite.context.validation import FEATURE_KEYS, FOREIGN_KEYS, validate_config
 from colossal_lite.launch import load_config
 
 HEADER = "from colossal_lite.amp import AMP_TYPE\nBATCH_SIZE = 8\nNUM_EPOCHS = 2\n"  # 3 lines; the case starts on line 4
@@ -126,6 +126,29 @@ BAD_CONFIGS = [
      "between 0 and 1", "write backoff_factor=0.25"),
     ("fp16-growth-inverted", "fp16 = dict(mode=AMP_TYPE.TORCH, growth_factor=0.25)\n", 4, "fp16.growth_factor",
      "must be > 1", "write growth_factor=4.0"),
+    # naive fp16's scaler multiplies by the same factors as torch's; its bounds must hold the scale (legacy asserted
+    # both), and a factor of 1 or less shrank the scale after good steps (found by the config probe)
+    ("naive-growth-inverted", "fp16 = dict(mode=AMP_TYPE.NAIVE, growth_factor=0.5)\n", 4, "fp16.growth_factor",
+     "must be > 1", "write growth_factor=2.0"),
+    ("naive-growth-one", "fp16 = dict(mode=AMP_TYPE.NAIVE, growth_factor=1)\n", 4, "fp16.growth_factor",
+     "must be > 1", "write e.g. growth_factor=2.0"),
+    ("naive-bounds-swapped", "fp16 = dict(mode=AMP_TYPE.NAIVE,\n           min_scale=1024.0, max_scale=2.0)\n", 5,
+     "fp16.min_scale", "is 1024.0, above max_scale=2.0", "swap them: write min_scale=2.0, max_scale=1024.0"),
+    ("naive-initial-below-min", "fp16 = dict(mode=AMP_TYPE.NAIVE, initial_scale=1.0, min_scale=4.0)\n", 4,
+     "fp16.initial_scale", "is 1.0, below min_scale=4.0", "write initial_scale=4.0 (or change min_scale)"),
+    ("naive-default-initial-above-max", "fp16 = dict(mode=AMP_TYPE.NAIVE,\n           max_scale=1024.0)\n", 5,
+     "fp16.max_scale", "initial_scale is 65536.0 (its default), above it", "add initial_scale=1024.0"),
+    # a feature key inside fp16 does nothing there: "remove it" dropped the clipping (found by the config probe)
+    ("fp16-clip-in-torch", "fp16 = dict(mode=AMP_TYPE.TORCH, clip_grad_norm=1.0)\n", 4, "fp16.clip_grad_norm",
+     "is a top-level config key, not an option of mode TORCH",
+     "move it to the top level of the config file: clip_grad_norm = 1.0"),
+    ("fp16-clip-in-bf16", "fp16 = dict(mode=AMP_TYPE.BF16, clip_grad_norm=0.5)\n", 4, "fp16.clip_grad_norm",
+     "not an option of mode BF16", "clip_grad_norm = 0.5"),
+    ("fp16-accumulation-in-naive", "fp16 = dict(mode=AMP_TYPE.NAIVE, gradient_accumulation=4)\n", 4,
+     "fp16.gradient_accumulation", "is a top-level config key", "move it to the top level of the config file: "
+     "gradient_accumulation = 4"),
+    ("fp16-clip-set-twice", "clip_grad_norm = 2.0\nfp16 = dict(mode=AMP_TYPE.TORCH, clip_grad_norm=1.0)\n", 5,
+     "fp16.clip_grad_norm", "is a top-level config key", "remove it here: the top-level clip_grad_norm = 2.0 is the one"),
     ("clip-string-value", "clip_grad_norm = '0.5'\n", 4, "clip_grad_norm", "got '0.5'", "write clip_grad_norm = 0.5"),
     ("cudnn-int-false", "cudnn_benchmark = 0\n", 4, "cudnn_benchmark", "True or False", "write cudnn_benchmark = False"),
     ("cudnn-word-false", "cudnn_deterministic = 'no'\n", 4, "cudnn_deterministic", "True or False",
@@ -137,6 +160,20 @@ BAD_CONFIGS = [
     ("handler-misspelt", "gradient_handler = [dict(type='DataParalelGradientHandler')]\n", 4, "gradient_handler",
      "unknown handler type", "did you mean 'DataParallelGradientHandler'"),
     ("zero-int", "zero = 3\n", 4, "zero", "expected a dict", "write zero = dict(stage=3)"),
+    # True == 1 and 2.0 == 2 passed the stage check (found by the config probe)
+    ("zero-stage-bool", "zero = dict(stage=True)\n", 4, "zero.stage", "expected 1, 2 or 3, got True",
+     "write e.g. zero = dict(stage=2)"),
+    ("zero-stage-float", "zero = dict(stage=2.0, offload_optimizer=True)\n", 4, "zero.stage", "got 2.0",
+     "write zero = dict(stage=2, offload_optimizer=True)"),
+    ("zero-level-float", "zero = dict(level=3.0)\n", 4, "zero.level", "got 3.0", "write zero = dict(stage=3)"),
+    ("parallel-size-string", "parallel = dict(tensor=dict(\n    size='1'))\n", 5, "parallel.tensor.size",
+     "expected the int 1 (no tensor parallelism) or None, got '1'", "remove parallel.tensor"),
+    ("parallel-size-bool", "parallel = dict(pipeline=True)\n", 4, "parallel.pipeline", "got True",
+     "remove parallel.pipeline"),
+    ("parallel-size-float", "parallel = dict(pipeline=1.0)\n", 4, "parallel.pipeline", "got 1.0",
+     "remove parallel.pipeline"),
+    ("parallel-size-whole-float", "parallel = dict(pipeline=dict(size=2.0))\n", 4, "parallel.pipeline",
+     "pipeline parallelism (size 2.0) is not supported", "remove parallel.pipeline"),
     ("zero-stage-string", "zero = dict(stage='3', offload_optimizer=True)\n", 4, "zero.stage", "got '3'",
      "write zero = dict(stage=3, offload_optimizer=True)"),
     ("dist-timeout-string", "dist_timeout = '600'\n", 4, "dist_timeout", "got '600'", "write dist_timeout = 600"),
@@ -320,6 +357,42 @@ def test_nesting_warning_also_for_lowercase_dicts(tmp_path):
     path = _write(tmp_path, "train = dict(clip_grad_norm=1.0)\n")
     with pytest.warns(UserWarning, match=r"'train.clip_grad_norm'.*move 'clip_grad_norm' to the top level"):
         load_config(path)
+
+
+@pytest.mark.parametrize("body, key, meant", [
+    ("bf16 = True\n", "bf16", "fp16 = dict(mode=AMP_TYPE.BF16)"),
+    ("use_fp16 = True\n", "use_fp16", "fp16 = dict(mode=AMP_TYPE.TORCH)"),
+    ("zero_optimization = dict(stage=2)\n", "zero_optimization", "zero = dict(stage=2)"),
+    ("gradient_clip_val = 1.0\n", "gradient_clip_val", "clip_grad_norm = 1.0"),
+    ("accum_steps = 4\n", "accum_steps", "gradient_accumulation = 4"),
+    ("find_unused_parameters = True\n", "find_unused_parameters", "torch_ddp = dict(find_unused_parameters=True)"),
+    ("torch_compile = True\n", "torch_compile", "compile = True"),
+])
+def test_another_frameworks_name_for_a_feature_is_kept_with_a_warning(tmp_path, body, key, meant):
+    """Such a name switched nothing on without a word; it stays the user's own value (found by the config probe)."""
+    path = _write(tmp_path, body)
+    with pytest.warns(ForeignConfigKeyWarning) as record:
+        cfg = load_config(path)
+    assert key in cfg  # kept, as every other lowercase name is
+    assert [str(w.message) for w in record] == [
+        f"{path}:4: config key '{key}' is not a colossal_lite option (kept as your own value); colossal_lite's is "
+        f"{meant}. Fix: write that instead, or, if '{key}' is your own value, write it in UPPERCASE or filter "
+        f"ForeignConfigKeyWarning (from colossal_lite.context)"]
+
+
+def test_the_foreign_name_warning_can_be_filtered_and_is_a_user_warning(tmp_path):
+    assert issubclass(ForeignConfigKeyWarning, UserWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=ForeignConfigKeyWarning)
+        assert load_config(_write(tmp_path, "bf16 = True\nBF16_RUN = True\n")).bf16 is True
+
+
+def test_every_foreign_name_is_a_name_the_checker_keeps():
+    """A name of the table that the checker refused as a near-miss would never reach the warning."""
+    for key in FOREIGN_KEYS:
+        with pytest.warns(ForeignConfigKeyWarning, match=f"config key '{key}'"):
+            load_config({key: 1})
 
 
 def test_no_warning_for_a_clean_config(tmp_path):
