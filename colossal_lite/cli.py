@@ -120,13 +120,23 @@ def _plot(args) -> int:
     return 0
 
 
+def _rows(text: str) -> int:
+    try:
+        rows = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of causes to list, such as 6; got {text!r}") from None
+    if rows < 1:
+        raise argparse.ArgumentTypeError(f"the report lists 1 cause or more, got {text!r}")
+    return rows
+
+
 def _add_report_parser(sub) -> None:
     p = sub.add_parser("report", help="where a run's time went, ranked, with what to change",
                        description="Read a run's metrics file and print the speed report of a fit that ran with "
                                    "SpeedReportHook: throughput, MFU, and the time of each phase ranked, each with "
                                    "one suggestion.")
     p.add_argument("path", help="a run folder holding metrics.jsonl or metrics.csv, or such a file")
-    p.add_argument("--rows", type=int, default=6, help="how many causes to list (default 6)")
+    p.add_argument("--rows", type=_rows, default=6, help="how many causes to list (default 6)")
 
 
 def _report(args) -> int:

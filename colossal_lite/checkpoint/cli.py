@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..pipe_exit import quiet_on_broken_pipe
 from .hf_export import describe, export_hf
 from .info import checkpoint_info
 from .io import CheckpointError, atomic_save, format_bytes, tensor_bytes
+from .layout import META_FILE, POINTERS
+from .pointers import read_pointer
 from .reader import merge_checkpoint as merged_content
 from .weights import read_weights
 
@@ -30,7 +33,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 def _add_commands(sub) -> None:
     info = sub.add_parser("info", help="what a checkpoint holds: epoch, step, metrics, config summary, sizes")
     info.add_argument("path", help="a checkpoint folder, a last/best pointer, a checkpoint directory (shows its "
-                                   "last), a merged file or a save_checkpoint file")
+                                   "last), a merged file or a save_checkpoint file; exits 1 when its files differ from "
+                                   "the checksums it records")
     export = sub.add_parser("export", help="write the bare model weights (a state_dict) for inference")
     export.add_argument("path", help="a checkpoint folder (sharded ones too), pointer, checkpoint directory, merged "
                                      "file or save_checkpoint file")
@@ -94,11 +98,31 @@ def format_info(info: Dict[str, Any]) -> str:
 
 
 def _info(path: str) -> int:
-    print(format_info(checkpoint_info(path)))
-    return 0
+    """Print what ``path`` holds; 1 when its files differ from what its ``meta.json`` records, so a script can
+    use the command as a check."""
+    info = checkpoint_info(path)
+    print(format_info(info))
+    return 1 if info.get("damaged") else 0
+
+
+def check_out(path, out) -> None:
+    """Refuse an ``out`` that would replace what the command reads, a pointer, or any file of a checkpoint folder
+    (its files are checksummed, and a checkpoint cleanup would delete what was written there)."""
+    target, source = Path(out), Path(path)
+    if target.exists() and source.exists() and target.resolve() == source.resolve():
+        raise CheckpointError(f"the output {out} is the checkpoint being read: nothing was written; give another "
+                              f"output path")
+    if target.name in POINTERS and target.is_file() and read_pointer(target) is not None:
+        raise CheckpointError(f"the output {out} is a '{target.name}' pointer of the run in {target.parent}: "
+                              f"nothing was written; give an output path outside the run's checkpoint folders")
+    for folder in (target, *target.resolve().parents):
+        if (folder / META_FILE).is_file():
+            raise CheckpointError(f"the output {out} is inside the checkpoint folder {folder}: nothing was "
+                                  f"written; give an output path outside the run's checkpoint folders")
 
 
 def _export(path: str, out: str, ema=False, hf=None, hf_class=None) -> int:
+    check_out(path, out)
     if hf is not None:
         print(describe(export_hf(path, out, hf, hf_class, ema, progress=False)))
         return 0
@@ -107,13 +131,15 @@ def _export(path: str, out: str, ema=False, hf=None, hf_class=None) -> int:
     weights = read_weights(path, ema)
     atomic_save(weights.state, out)
     what = "" if weights.steps is None else f" (the EMA weights of {weights.source}, {weights.steps} steps averaged)"
-    print(f"wrote {len(weights.state)} tensors ({format_bytes(tensor_bytes(weights.state))}){what} to {out}; load "
+    print(f"wrote {len(weights.state)} tensors ({format_bytes(tensor_bytes(weights.state))}){what} of "
+          f"{weights.read_from} to {out}; load "
           f"them with model.load_state_dict(torch.load({str(out)!r}, weights_only=True))")
     return 0
 
 
 def merge_checkpoint(path, out) -> dict:
     """Write the sharded checkpoint ``path`` names as one file ``out`` (see ``merged.py``); returns its content."""
+    check_out(path, out)
     state = merged_content(path)
     atomic_save(state, out)
     return state

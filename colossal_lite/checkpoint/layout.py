@@ -102,6 +102,12 @@ def complete_checkpoints(checkpoint_dir: Path) -> List[Tuple[Path, Dict[str, Any
     return found
 
 
+def newest_checkpoint(checkpoint_dir: Path) -> Optional[Path]:
+    """The newest complete checkpoint in ``checkpoint_dir``, whatever the pointers say; ``None`` if there is none."""
+    found = complete_checkpoints(checkpoint_dir)
+    return found[-1][0] if found else None
+
+
 def verify_files(folder: PathLike, meta: Dict[str, Any]) -> None:
     """Check that every file ``meta`` lists is there with the recorded size (checksums are checked as files are read)."""
     folder = Path(folder)

@@ -25,6 +25,7 @@ from .layout import (
     SHARED_FILE,
     checkpoint_name,
     complete_checkpoints,
+    newest_checkpoint,
     rank_file,
     read_meta,
     remove_leftovers,
@@ -94,8 +95,7 @@ class CheckpointManager:
 
     def latest(self) -> Optional[Path]:
         """The newest complete checkpoint, whatever the pointers say; ``None`` if there is none."""
-        found = self.list_checkpoints()
-        return found[-1] if found else None
+        return newest_checkpoint(self.checkpoint_dir)
 
     def pointer(self, which: str) -> Optional[Path]:
         """The complete checkpoint the ``last`` or ``best`` pointer names, or ``None``."""

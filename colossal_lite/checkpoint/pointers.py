@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from .io import CheckpointNotFoundError, PathLike, atomic_write_text
-from .layout import META_FILE, POINTERS, read_meta
+from .layout import META_FILE, POINTERS, newest_checkpoint, read_meta
 
 POINTER_MAX_BYTES = 4096  # a larger file is a checkpoint file, never a pointer
 
@@ -52,12 +52,22 @@ def is_single_file(path: PathLike) -> bool:
     return p.is_file() and pointer_target(p) is None
 
 
+def _run_checkpoint(folder: Path) -> Path:
+    """The checkpoint a folder of a run's checkpoints stands for: its ``last``, else (saved with
+    ``save_last=False``) its newest complete checkpoint, as ``resume_from='auto'`` picks it. ``folder`` itself
+    when it holds neither (``read_meta`` then says what it lacks)."""
+    target = read_pointer(folder / "last") if (folder / "last").is_file() else None
+    if target is not None:
+        return folder / target
+    return newest_checkpoint(folder) or folder
+
+
 def resolve_path(which: PathLike, checkpoint_dir: Optional[PathLike] = None) -> Path:
     """A checkpoint folder from a folder path, a ``last``/``best`` pointer file, a checkpoint directory
-    (its ``last``) or a name inside ``checkpoint_dir``; a single file (``ckpt merge``'s) is returned as it is."""
+    (its ``last``, else its newest complete checkpoint) or a name inside ``checkpoint_dir``; a single file (``ckpt merge``'s) is returned as it is."""
     candidates = [Path(which)]
-    if checkpoint_dir is not None and not Path(which).is_absolute():
-        candidates.append(Path(checkpoint_dir) / which)
+    if checkpoint_dir is not None and not Path(which).is_absolute() and Path(which) != Path(checkpoint_dir):
+        candidates.append(Path(checkpoint_dir) / which)  # a checkpoint's name (not the folder itself, again)
     for path in candidates:
         if path.is_file():
             target = pointer_target(path)
@@ -65,10 +75,8 @@ def resolve_path(which: PathLike, checkpoint_dir: Optional[PathLike] = None) -> 
                 return path  # a single file: read_checkpoint takes one ckpt merge wrote, and says what to do with others
             path = target
         if path.is_dir():
-            if not (path / META_FILE).exists() and (path / "last").is_file():
-                target = read_pointer(path / "last")
-                if target is not None:
-                    path = path / target
+            if not (path / META_FILE).exists():
+                path = _run_checkpoint(path)
             read_meta(path)
             return path
     pointer = Path(which)
@@ -77,5 +85,4 @@ def resolve_path(which: PathLike, checkpoint_dir: Optional[PathLike] = None) -> 
                                       f"pointer (it was saved without SaveCheckpointHook(..., save_best=...)); give "
                                       f"{pointer.parent / 'last'} or one of its checkpoint folders")
     raise CheckpointNotFoundError(f"checkpoint {which} does not exist"
-                                  + (f" (also looked for {Path(checkpoint_dir) / which})"
-                                     if len(candidates) > 1 else ""))
+                                  + (f" (also looked for {candidates[1]})" if len(candidates) > 1 else ""))

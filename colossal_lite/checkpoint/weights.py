@@ -31,6 +31,7 @@ class Weights(NamedTuple):
     state: Dict[str, torch.Tensor]
     source: str  # 'model', or the key of the hook whose average they are ('EMAHook.0')
     steps: Optional[int]  # optimizer steps averaged in (None for the model's own weights)
+    read_from: Optional[Path] = None  # the checkpoint folder or file read (a run's folder names one of its own)
 
 
 def averaged_models(shared: Dict[str, Any]) -> Dict[str, Dict[str, torch.Tensor]]:
@@ -79,10 +80,10 @@ def read_weights(path: PathLike, ema: Union[bool, str] = False) -> Weights:
         folder = resolve_path(p)
         shared = load_shared(folder)
     if ema:
-        return _pick_average(shared, ema, folder or p)
+        return _pick_average(shared, ema, folder or p)._replace(read_from=folder or p)
     if folder is not None and has_sharded_state(folder) and "model" not in (shared.get("engine") or {}):
         shared = {"model": merge_sharded(folder)["model"]}  # a zero stage 2/3 checkpoint: its shards, merged
-    return Weights(strip_prefix(dict(model_state_from(shared))), "model", None)
+    return Weights(strip_prefix(dict(model_state_from(shared))), "model", None, folder or p)
 
 
 def load_weights(path: PathLike, ema: Union[bool, str] = False) -> Dict[str, torch.Tensor]:

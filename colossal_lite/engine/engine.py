@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..amp.precision import FP32Precision
+from ..checkpoint.optimizer_match import optimizer_class_name
 from ..logging import get_dist_logger
 from .accumulation import AccumulationWindow, MicroBatch
 from .batch import call_criterion
@@ -427,7 +428,8 @@ class Engine:
         # "accumulation": the open window, its progress and what the reduction gathered over it (token counts);
         # with gradient_accumulation='auto' the split the run settled on, so a resumed run starts with it
         auto = {} if self.auto_batcher is None else {"auto_parts": self.auto_batcher.parts}
-        return {"precision": self.precision.state_dict(),
+        return {"optimizer_class": optimizer_class_name(self._optimizer),  # (a resume with another is refused)
+                "precision": self.precision.state_dict(),
                 "accumulation": {**self.window.state_dict(), **self.reduction.state_dict(), **auto},
                 "num_updates": self.num_updates}
 

@@ -8,7 +8,7 @@ uses). ``rank_causes`` turns it into rows, largest first, each naming a cause an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ..utils.metrics_file import by_name
 
@@ -34,6 +34,12 @@ HOOK_PREFIX = "hook:"  # a hook's own time is the phase "hook:<its class name>"
 #: ``train/<TAIL>/<phase>``: the seconds of each phase after the last epoch's record (a checkpoint saved at its
 #: end), recorded at the end of ``fit``.
 TAIL = "time_after_epochs"
+#: The last of the figures each epoch records (``SpeedReportHook`` records them in one group, in this order to
+#: the end): a group without it was cut short, by a run stopped while writing its metrics file.
+LAST_FIGURE = "train/speed/peak_tflops"
+#: The per-epoch throughput figures, recorded in the same group as the phase seconds.
+_RATES = ("train/samples_per_s", "train/samples_per_s_per_rank", "train/tokens_per_s", "train/tokens_per_s_per_rank",
+          "train/mfu")
 #: The phases that run the model's forward and backward (whichever of them a run has).
 COMPUTE_PHASES = ("auto", "forward", "backward")
 
@@ -85,6 +91,7 @@ class SpeedFigures:
     peak_flops: Optional[float] = None
     sync_sites: List[str] = field(default_factory=list)
     timed_steps: Optional[int] = None  # the optimizer steps whose phases were timed (None: every step)
+    cut_epochs: List[int] = field(default_factory=list)  # epochs whose figures the metrics file holds only in part
 
 
 @dataclass
@@ -177,6 +184,10 @@ def _headline(figures: SpeedFigures) -> str:
 def format_report(figures: SpeedFigures, rows: int = 6) -> str:
     """The headline (throughput, MFU), then the ``rows`` largest causes: share, seconds, cause, what to do."""
     lines = [_headline(figures)]
+    if figures.cut_epochs:
+        lines[0] += (f"\n  (left out: the figures of epoch {', '.join(map(str, figures.cut_epochs))}, which the metrics "
+                     f"file holds only in part (the run stopped while writing them); the report covers the epochs "
+                     f"recorded whole)")
     if not figures.steps:  # what was timed outside any step (a fit's end) would rank as if it were the run
         return lines[0] + ("\n  (no optimizer step measured: a fit leaves out its first steps, their one-time costs; "
                            "SpeedReportHook(warmup_steps=0) measures from the first)")
@@ -195,7 +206,9 @@ def figures_from_records(records: Iterable[Mapping]) -> SpeedFigures:
     """The figures of a run from its metrics file's records (``utils.metrics_file.read_metrics``): the phase
     seconds summed over the epochs' records (``train/time/<phase>``), the time after the last one
     (``train/time_after_epochs/<phase>``) and the evaluations' (``test/time/evaluation``), the step counts summed,
-    throughput and MFU over the whole run. Raises ValueError when the run recorded no speed breakdown."""
+    throughput and MFU over the whole run. An epoch whose figures the file holds only in part is left out (named
+    in ``cut_epochs``). Raises ValueError when the run recorded no speed breakdown, or none whole."""
+    records, cut_epochs = _without_cut_groups(list(records))
     sums: Dict[str, float] = {}
     last: Dict[str, float] = {}
     columns = by_name(records)
@@ -208,6 +221,9 @@ def figures_from_records(records: Iterable[Mapping]) -> SpeedFigures:
         if name.startswith(("train/time/", "test/time/", f"train/{TAIL}/")):
             phase = name.split("/", 2)[2]
             seconds[phase] = seconds.get(phase, 0.0) + value
+    if not seconds and cut_epochs:
+        raise ValueError(f"the metrics file stops inside the speed figures of epoch {cut_epochs[-1]} (the run stopped "
+                         f"while writing them) and holds no epoch's figures whole: nothing to report")
     if not seconds:
         stopped = "train/samples_per_s_step" in columns
         raise ValueError("no speed breakdown in this run's metrics (no train/time/... values): " + (
@@ -228,7 +244,23 @@ def figures_from_records(records: Iterable[Mapping]) -> SpeedFigures:
         ops_per_micro_batch=last.get("train/speed/ops_per_micro_batch"),
         flops_per_micro_batch=last.get("train/speed/flops_per_micro_batch"),
         peak_flops=None if peak is None else peak * 1e12,
-        timed_steps=int(sums["train/speed/timed_steps"]) if "train/speed/timed_steps" in sums else None)
+        timed_steps=int(sums["train/speed/timed_steps"]) if "train/speed/timed_steps" in sums else None,
+        cut_epochs=cut_epochs)
+
+
+def _in_epoch_group(name: str) -> bool:
+    """One of the figures an epoch records together (``time_after_epochs`` is recorded apart, at the fit's end)."""
+    return name in _RATES or name.startswith(("train/time/", "train/speed/"))
+
+
+def _without_cut_groups(records: List[Mapping]) -> Tuple[List[Mapping], List[int]]:
+    """``records`` without the epoch figures of any step whose group lacks its last figure, and those epochs."""
+    complete = {r["step"] for r in records if r["name"] == LAST_FIGURE}
+    cut = {r["step"]: r.get("epoch") for r in records if _in_epoch_group(r["name"]) and r["step"] not in complete}
+    if not cut:
+        return records, []
+    kept = [r for r in records if not (r["step"] in cut and _in_epoch_group(r["name"]))]
+    return kept, sorted({epoch for epoch in cut.values() if epoch is not None})
 
 
 def _whole_run_rate(column, seconds_of: Mapping[int, float], last: Optional[float]) -> Optional[float]:

@@ -22,10 +22,9 @@ from ..checkpoint.io import (
     atomic_save,
     load_single_file,
 )
-from ..checkpoint.layout import pid_alive
+from ..checkpoint.layout import newest_checkpoint, pid_alive
 from ..checkpoint.manager import (
     META_FILE,
-    CheckpointManager,
     has_sharded_state,
     is_single_file,
     load_shared,
@@ -42,6 +41,7 @@ from ..checkpoint.merged import (
     parameter_names,
 )
 from ..checkpoint.model_state import check_model_state, is_sharded, load_model_state, unwrap_module
+from ..checkpoint.optimizer_match import OptimizerMismatchError, check_optimizer_state
 from ..core.dist import barrier, is_rank_0, world_size
 from ..core.global_context import global_context as gpc
 
@@ -291,14 +291,12 @@ def _folder_state(path: Path) -> Tuple[Path, Dict[str, Any]]:
 
 def _checkpoint_folder(path: Path) -> Path:
     """One checkpoint folder from a checkpoint folder, a pointer, or a folder of checkpoints (its ``last``, else
-    its newest complete one)."""
-    if path.is_dir() and not (path / META_FILE).is_file() and not (path / "last").is_file():
-        newest = CheckpointManager(path, cleanup=False).latest()
-        if newest is None:
-            raise CheckpointNotFoundError(f"{path} is a folder, not a checkpoint file, and holds no complete "
-                                          f"colossal_lite checkpoint (no {META_FILE}, no 'last' pointer, no "
-                                          f"checkpoint folder in it)")
-        return newest
+    its newest complete one, see ``resolve_path``)."""
+    if (path.is_dir() and not (path / META_FILE).is_file() and not (path / "last").is_file()
+            and newest_checkpoint(path) is None):
+        raise CheckpointNotFoundError(f"{path} is a folder, not a checkpoint file, and holds no complete "
+                                      f"colossal_lite checkpoint (no {META_FILE}, no 'last' pointer, no "
+                                      f"checkpoint folder in it)")
     return resolve_path(path)
 
 
@@ -311,6 +309,12 @@ def load_checkpoint_state(state, path: Path, model: nn.Module, optimizer=None, l
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         found = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path} is not a save_checkpoint file: it has no 'model' entry (found {found})")
+    if optimizer is not None and isinstance(state.get("optimizer"), dict):
+        try:  # before anything is loaded: torch would load another optimizer class's state and fail in its own code
+            check_optimizer_state(optimizer, state["optimizer"], (state.get("engine") or {}).get("optimizer_class"))
+        except OptimizerMismatchError as e:
+            raise OptimizerMismatchError(f"cannot load the optimizer state of {path}: {e}; build the optimizer it "
+                                         f"was written with, or load the model alone (no optimizer)") from None
     try:
         load_model_state(model, state["model"], strict=strict)
     except RuntimeError as e:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import colossal_lite
-from colossal_lite.checkpoint import CheckpointManager, CheckpointNotFoundError, read_checkpoint
+from colossal_lite.checkpoint import CheckpointError, CheckpointManager, CheckpointNotFoundError, read_checkpoint
 from colossal_lite.core import global_context as gpc
 from colossal_lite.trainer import TestModeFailed, Trainer
 from colossal_lite.trainer.hooks import (
@@ -94,7 +94,9 @@ def test_a_checkpoint_holds_the_whole_run_and_hooks_add_their_own_entries(tmp_pa
     assert names(ck) == ["epoch0-step5", "epoch1-step10", "last"]  # named after the epoch that ended
     shared, rank = read_checkpoint(ck / "epoch0-step5")
     assert set(shared) == {"engine", "lr_schedulers", "trainer", "hooks", "colossal_lite"}
-    assert set(shared["engine"]) == {"model", "optimizer", "precision", "accumulation", "num_updates"}
+    assert set(shared["engine"]) == {"model", "optimizer", "optimizer_class", "precision", "accumulation",
+                                     "num_updates"}
+    assert shared["engine"]["optimizer_class"] == "SGD"
     assert shared["engine"]["num_updates"] == 5 and shared["engine"]["optimizer"]["state"]  # momentum buffers
     assert shared["lr_schedulers"]["LRSchedulerHook.0"]["seen_updates"] == 5
     assert shared["trainer"]["progress"] == {"epoch": 1, "step": 5, "iteration": 10, "batch_idx": 0}
@@ -197,6 +199,33 @@ def test_resume_from_needs_a_place_to_look_and_auto_starts_fresh_when_there_is_n
     assert trainer.cur_step == 15 and "resumed from" in capfd.readouterr().out
     longer, _ = fit(epochs=3)
     assert same_params(again, longer)
+
+
+def test_resume_from_a_run_folder_without_a_last_pointer_takes_its_newest_checkpoint(tmp_path, capfd):
+    """A run saved with save_last=False: its folder stands for its newest complete checkpoint, as with 'auto'
+    (it said the folder was no complete checkpoint), and the log names the one taken."""
+    fit(lambda s, m: [SaveCheckpointHook(1, tmp_path / "ck", save_last=False)], epochs=2)
+    assert "last" not in names(tmp_path / "ck")
+    _, trainer = fit(epochs=3, resume_from=tmp_path / "ck")
+    assert trainer.cur_step == 15 and f"resumed from {tmp_path / 'ck' / 'epoch1-step10'}" in capfd.readouterr().out
+
+
+def test_a_missing_checkpoint_is_named_once_when_it_is_the_checkpoint_dir_itself(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointNotFoundError) as caught:
+        fit(resume_from="runs/ck")
+    assert str(caught.value) == "checkpoint runs/ck does not exist"  # it added "(also looked for runs/ck/runs/ck)"
+    with pytest.raises(CheckpointNotFoundError, match=r"does not exist \(also looked for .*ck/epoch9-step9\)"):
+        CheckpointManager(tmp_path / "ck", cleanup=False).resolve("epoch9-step9")  # a name inside another folder
+
+
+def test_a_file_of_a_checkpoint_folder_says_to_give_the_folder(tmp_path):
+    fit(lambda s, m: [SaveCheckpointHook(1, tmp_path / "ck")], epochs=1)
+    folder = tmp_path / "ck" / "epoch0-step5"
+    with pytest.raises(CheckpointError) as caught:
+        fit(resume_from=folder / "shared.pt")
+    assert f"{folder / 'shared.pt'} is one file of the checkpoint folder {folder}" in str(caught.value)
+    assert f"give the folder instead ('{folder}')" in str(caught.value)
 
 
 # -- LoadCheckpointHook (legacy) ----------------------------------------------------------------

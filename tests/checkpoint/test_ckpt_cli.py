@@ -46,7 +46,7 @@ def test_export_writes_bare_weights_loadable_with_weights_only(run_dir, tmp_path
     d, model = run_dir
     out_file = tmp_path / "weights.pt"
     assert main(["ckpt", "export", str(d / "best"), str(out_file)]) == 0
-    assert f"wrote 2 tensors (8.1 KiB) to {out_file}" in capsys.readouterr().out
+    assert f"wrote 2 tensors (8.1 KiB) of {d / 'epoch3-step120'} to {out_file}" in capsys.readouterr().out
     weights = torch.load(out_file, weights_only=True)
     fresh = nn.Linear(64, 32)
     fresh.load_state_dict(weights)
@@ -70,6 +70,51 @@ def test_errors_are_one_line_and_exit_1(tmp_path, capsys):
     assert main(["ckpt", "export", str(tmp_path / "ck"), str(tmp_path / "w.pt")]) == 1
     assert "no model weights found in this checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "w.pt").exists()
+
+
+def test_export_and_merge_refuse_an_output_that_would_replace_a_checkpoint(run_dir, tmp_path, capsys):
+    """OUT the input file, a pointer, or a file inside a checkpoint folder: exit 1 and nothing written (they
+    replaced a save_checkpoint file with bare weights, and a pointer or a checksummed shared.pt with a merged file)."""
+    d, model = run_dir
+    single = tmp_path / "ck.pt"
+    save_checkpoint(single, 3, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    folder = d / "epoch3-step120"
+    refused = [(["export", str(single), str(single)], "is the checkpoint being read"),
+               (["export", str(d), str(d / "last")], f"is a 'last' pointer of the run in {d}"),
+               (["export", str(d / "best"), str(d / "best")], "is the checkpoint being read"),
+               (["export", str(d), str(folder / "shared.pt")], f"is inside the checkpoint folder {folder}"),
+               (["export", str(d), str(folder / "new" / "w.pt")], f"is inside the checkpoint folder {folder}"),
+               (["merge", str(d), str(folder / "shared.pt")], f"is inside the checkpoint folder {folder}")]
+    before = {p: p.read_bytes() for p in (single, d / "last", d / "best", folder / "shared.pt")}
+    for argv, why in refused:
+        assert main(["ckpt", *argv]) == 1, argv
+        err = capsys.readouterr().err
+        assert f"error: the output {argv[2]} {why}" in err and "nothing was written" in err, err
+    assert {p: p.read_bytes() for p in before} == before
+    assert not (folder / "new").exists()
+    assert main(["ckpt", "info", str(d)]) == 0
+    assert re.search(r"checksums: all \d+ files match", capsys.readouterr().out)
+
+
+def test_info_of_a_damaged_checkpoint_prints_it_and_exits_1(run_dir, capsys):
+    d, _ = run_dir
+    shared = d / "epoch3-step120" / "shared.pt"
+    shared.write_bytes(shared.read_bytes()[:1000])
+    assert main(["ckpt", "info", str(d)]) == 1  # a script can use it as a check
+    out = capsys.readouterr().out
+    assert "epoch: 3   step: 120" in out and "checksums: DAMAGED: shared.pt (1000 bytes," in out
+
+
+def test_a_run_folder_without_a_last_pointer_stands_for_its_newest_checkpoint(run_dir, tmp_path, capsys):
+    """A run saved with save_last=False (it said the folder was no complete checkpoint, while load_checkpoint and
+    resume_from='auto' take its newest)."""
+    d, model = run_dir
+    CheckpointManager(d).save("epoch4-step150", {"engine": {"model": model.state_dict(), "num_updates": 150}})
+    (d / "last").unlink()
+    assert main(["ckpt", "info", str(d)]) == 0
+    assert f"checkpoint: {d / 'epoch4-step150'}" in capsys.readouterr().out
+    assert main(["ckpt", "export", str(d), str(tmp_path / "w.pt")]) == 0
+    assert f"of {d / 'epoch4-step150'} to" in capsys.readouterr().out
 
 
 def test_a_best_pointer_the_run_never_kept_says_why(tmp_path, capsys):

@@ -151,7 +151,8 @@ def test_ckpt_export_ema_writes_the_average(run, by_hand, tmp_path, capsys):
     assert ckpt_main(["ckpt", "export", str(folder / "best"), str(out), "--ema"]) == 0
     printed = capsys.readouterr().out
     best = best_epoch(folder)
-    assert f"(the EMA weights of EMAHook.0, {10 * (best + 1)} steps averaged) to {out}" in printed
+    checkpoint = folder / (folder / "best").read_text().strip()
+    assert f"(the EMA weights of EMAHook.0, {10 * (best + 1)} steps averaged) of {checkpoint} to {out}" in printed
     assert_same(torch.load(out, weights_only=True), by_hand[best]["ema"])
     assert ckpt_main(["ckpt", "export", str(folder / "best"), str(out)]) == 0
     assert "EMA" not in capsys.readouterr().out

@@ -355,6 +355,44 @@ def test_cli_report_of_a_run_without_the_hook_says_how_to_record_one(tmp_path, c
     assert "run fit with hooks=[SpeedReportHook()] to record one" in capsys.readouterr().err
 
 
+def epoch_records(step, epoch, samples_per_s, cut_after=None):
+    """The records one epoch's end writes with the breakdown on, in the order the hook records them (cut after
+    ``cut_after`` of them: a run stopped while writing its metrics file)."""
+    figures = [("train/Loss", 0.5), ("train/samples_per_s", samples_per_s), ("train/mfu", 1e-5),
+               ("train/time/data", 0.25), ("train/time/forward", 0.5), ("train/speed/steps", 8.0),
+               ("train/speed/seconds", 1.0), ("train/speed/world_size", 1.0), ("train/speed/peak_tflops", 0.1)]
+    return [{"step": step, "epoch": epoch, "name": name, "value": value, "time": None}
+            for name, value in figures[:cut_after]]
+
+
+def test_cli_report_of_a_file_cut_inside_an_epochs_figures_leaves_that_epoch_out(tmp_path, capsys):
+    """It reported '0 optimizer steps ... 1717 samples/s, MFU ... (peak )' from the cut epoch's first figures."""
+    def write(records):
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    write(epoch_records(8, 0, 1000.0) + epoch_records(16, 1, 3000.0, cut_after=5))
+    assert cli_main(["report", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("Speed report: 8 optimizer steps on 1 rank(s), 1000 samples/s (1000 per rank), MFU 0.001% "
+                        "(peak 100 GFLOP/s)")  # epoch 0's alone
+    assert lines[1] == ("  (left out: the figures of epoch 1, which the metrics file holds only in part (the run "
+                        "stopped while writing them); the report covers the epochs recorded whole)")
+    write(epoch_records(8, 0, 1000.0, cut_after=5))
+    assert cli_main(["report", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == (f"error: {tmp_path}: the metrics file stops inside the speed figures of epoch 0 "
+                                       f"(the run stopped while writing them) and holds no epoch's figures whole: "
+                                       f"nothing to report\n")
+
+
+@pytest.mark.parametrize("rows, why", [("0", "the report lists 1 cause or more, got '0'"),
+                                       ("-2", "the report lists 1 cause or more, got '-2'"),
+                                       ("x", "expected a whole number of causes to list, such as 6; got 'x'")])
+def test_cli_report_refuses_rows_below_one(tmp_path, capsys, rows, why):
+    with pytest.raises(SystemExit) as caught:
+        cli_main(["report", str(tmp_path), "--rows", rows])
+    assert caught.value.code == 2 and f"argument --rows: {why}" in capsys.readouterr().err
+
+
 # -- the parts ----------------------------------------------------------------------------------------------------
 def test_timeline_on_the_host_clock_gives_each_phase_its_time():
     timeline = Timeline(HostClock())

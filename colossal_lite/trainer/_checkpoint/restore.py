@@ -12,6 +12,7 @@ from ...checkpoint.layout import read_save_times
 from ...checkpoint.manager import has_sharded_state, load_sharded, model_state_from
 from ...checkpoint.merged import keyed_by_name, optimizer_state_by_name, optimizer_state_by_position, parameter_names
 from ...checkpoint.model_state import ModelMismatchError
+from ...checkpoint.optimizer_match import OptimizerMismatchError, check_optimizer_state
 from ...core.dist import is_rank_0, log_rank_0, world_size
 from .contents import WINDOW_GRADS_IN_RANK_STATE, hook_entry, saved_hook_states
 
@@ -67,6 +68,10 @@ def restore_trainer_checkpoint(trainer, path: Path, shared: Dict[str, Any], rank
             _restore_engine(trainer.engine, path, shared, rank_state if same_world else {}, strict)
     except ModelMismatchError as err:
         raise ModelMismatchError(f"{err}\n{_ways_on(path, err.shapes_differ)}", err.shapes_differ) from err
+    except OptimizerMismatchError as err:
+        raise OptimizerMismatchError(f"{err}\nCheckpoint read: {path}. Fix: build the optimizer it was written "
+                                     f"with, or take its weights only and train from step 0 with this optimizer: "
+                                     f"LoadCheckpointHook('{path.parent}', finetune=True)") from err
     if finetune:
         trainer.load_state_dict({"progress": {"epoch": 0, "step": 0, "iteration": 0, "batch_idx": 0}})
         return path
@@ -226,6 +231,8 @@ def _restore_engine(engine, path: Path, shared: Dict[str, Any], rank_state: Dict
         raise CheckpointError(f"checkpoint {path} holds no trainer state (no 'engine' entry; top-level keys "
                               f"{sorted(map(str, shared))}); a weights-only file loads with finetune=True or "
                               f"colossal_lite.utils.load_checkpoint")
+    # before anything is loaded: torch would load another optimizer class's state and fail in its own code
+    check_optimizer_state(engine.optimizer, engine_state.get("optimizer") or {}, engine_state.get("optimizer_class"))
     engine_state = _with_window_grads(engine_state, path, shared, rank_state)
     if has_sharded_state(path) and "model" not in engine_state:
         if not engine.shards_state:
