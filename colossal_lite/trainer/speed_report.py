@@ -46,6 +46,9 @@ COMPUTE_PHASES = ("auto", "forward", "backward")
 #: The fixed cost of launching one operator (the framework's dispatch and, on a GPU, the kernel launch): an
 #: operator whose arithmetic at the device's peak takes less than this is dominated by its launch.
 SMALL_KERNEL_S = 5e-6
+#: An operator whose measured time is above this on average is doing work (arithmetic, memory traffic, Python in
+#: the forward), whatever its arithmetic at the peak: launches alone never take that long.
+LAUNCH_BOUND_S = 100e-6
 
 _SUGGESTIONS = {
     "data": "data-bound: raise the DataLoader's num_workers, set pin_memory=True, or make the dataset faster "
@@ -108,14 +111,15 @@ class Cause:
 
 def _small_kernels(figures: SpeedFigures) -> bool:
     """Forward and backward are dominated by the launch cost of their operators: the mean operator's arithmetic
-    at the device's peak is shorter than a launch (without a peak: its measured time is)."""
+    at the device's peak is shorter than a launch and its measured time is no longer than launches take (without
+    a peak: its measured time is shorter than a launch)."""
     ops = figures.ops_per_micro_batch or 0
     if not ops or not figures.micro_batches:
         return False
+    measured = sum(figures.seconds.get(key, 0.0) for key in COMPUTE_PHASES) / (ops * figures.micro_batches)
     if figures.flops_per_micro_batch is not None and figures.peak_flops:
-        return figures.flops_per_micro_batch / ops / figures.peak_flops < SMALL_KERNEL_S
-    compute = sum(figures.seconds.get(key, 0.0) for key in COMPUTE_PHASES)
-    return compute / (ops * figures.micro_batches) < SMALL_KERNEL_S
+        return figures.flops_per_micro_batch / ops / figures.peak_flops < SMALL_KERNEL_S and measured < LAUNCH_BOUND_S
+    return measured < SMALL_KERNEL_S
 
 
 def _rows(figures: SpeedFigures) -> List[tuple]:

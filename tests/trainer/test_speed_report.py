@@ -646,3 +646,80 @@ def test_test_mode_with_the_report_leaves_the_history_as_it_was(tmp_path):
     trainer.fit(loader, epochs=1, hooks=[speed, LossHook(), SaveCheckpointHook("1ba", str(tmp_path / "ck"))],
                 test_mode=True, log_dir=False)
     assert trainer.test_mode_result.ok and len(trainer.history) == 0, trainer.history.names
+
+
+class SequenceFirst(nn.Module):
+    """word_language_model's layout: inputs ``[T, B, F]``, one label per sequence (``[B]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(x.mean(0))
+
+
+def sequence_first(samples):
+    x = torch.stack([s[0] for s in samples])  # [B, F]
+    return x.unsqueeze(0).expand(20, *x.shape).contiguous(), torch.stack([s[1] for s in samples])  # [20, B, F], [B]
+
+
+def test_a_sequence_first_batch_counts_its_sequences_as_the_loss_weighs_them():
+    """The samples of a batch are its label's rows (as ``LossHook`` weighs the loss), not the first dimension of
+    the first input: 8 sequences of 20 steps are 8 samples, not 20."""
+    torch.manual_seed(0)
+    model = SequenceFirst()
+    engine, loader, _, _ = colossal_lite.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+        DataLoader(make_data(), batch_size=8, collate_fn=sequence_first), verbose=False)
+    speed = SpeedReportHook(peak_tflops=PEAK, report=False, flops_per_sample=FLOPS, warmup_steps=1)
+    Trainer(engine).fit(loader, epochs=1, hooks=[speed], display_progress=False)
+    assert speed.flops.samples == 8  # the first micro-batch, as the FLOPs per sample are counted
+    assert speed.flops.flops == FLOPS * 8
+    totals = speed._fit
+    totals.add(speed._epoch_totals)
+    assert totals.samples == 3 * 8  # 4 steps of 8 sequences, the warm-up step left out
+
+
+class OwnLoss(nn.Module):
+    """A model that computes its own loss (no criterion), returned in a dict as Hugging Face models return it."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def forward(self, x):
+        out = self.net(x)
+        return {"loss": out.pow(2).mean(), "logits": out}
+
+
+@COUNTS
+def test_a_model_that_computes_its_own_loss_gets_its_flops_counted():
+    from colossal_lite.utils.flops import count_step_flops
+
+    torch.manual_seed(0)
+    model = OwnLoss()
+    engine, loader, _, _ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), None,
+                                                    DataLoader(make_data(), batch_size=8), verbose=False)
+    speed = SpeedReportHook(peak_tflops=PEAK, report=False)
+    Trainer(engine).fit(loader, epochs=1, hooks=[speed], display_progress=False)
+    assert not speed.flops_note, speed.flops_note
+    x, y = make_data()[:8]
+    by_hand = count_step_flops(model, x, y, lambda out, label: out["loss"], 8)
+    assert speed.flops is not None and speed.flops.flops == by_hand.flops > 0
+    assert speed.figures.mfu is not None
+
+
+def test_operators_that_take_milliseconds_are_not_called_small_kernels():
+    """A forward that spends its time outside arithmetic (Python, a sleep, memory traffic) has few FLOPs per
+    operator, yet its operators are not waiting on their launches: the report names the phase, not compile=True."""
+    figures = SpeedFigures(seconds={"forward": 0.2, "backward": 0.05, "data": 0.01}, steps=10, micro_batches=10,
+                           ops_per_micro_batch=8, flops_per_micro_batch=1e3, peak_flops=1e12)
+    assert first_cause_of(figures).key == "forward"
+    tiny = SpeedFigures(seconds={"forward": 0.002, "backward": 0.002, "data": 0.0001}, steps=10, micro_batches=10,
+                        ops_per_micro_batch=200, flops_per_micro_batch=1e3, peak_flops=1e12)
+    assert first_cause_of(tiny).key == "small kernels"
+
+
+def first_cause_of(figures):
+    return rank_causes(figures)[0]

@@ -507,8 +507,10 @@ def _num_samples(trainer) -> int:
     return 1 if size is None else size
 
 
-def _samples(trainer, label) -> int:
-    """Samples in this batch: the label tensor's first dimension, else the batch's (``_num_samples``)."""
+def samples_in(trainer, label) -> int:
+    """Samples in this batch, as the metrics a user reads count them (the loss's weight, the throughput): the
+    label tensor's first dimension, else the batch's (``_num_samples``). A sequence-first batch (``[T, B, F]``
+    inputs, ``[B]`` labels) counts its B samples."""
     if type(label) is torch.Tensor and label.ndim:
         return label.shape[0]
     return _num_samples(trainer)
@@ -534,7 +536,7 @@ class LossHook(MetricHook):
         self.train_loss.reset()
 
     def after_train_iter(self, trainer, output, label, loss):
-        if loss is not None:  # (``_samples``, its common case inline: this runs once per micro-step)
+        if loss is not None:  # (``samples_in``, its common case inline: this runs once per micro-step)
             shape = label.shape if type(label) is torch.Tensor else None
             self.train_loss.update(loss, self._reduction.loss_count(shape[0] if shape else _num_samples(trainer)))
 
@@ -543,7 +545,7 @@ class LossHook(MetricHook):
 
     def after_test_iter(self, trainer, output, label, loss):
         if loss is not None:
-            self.test_loss.update(loss, self._reduction.loss_count(_samples(trainer, label)))
+            self.test_loss.update(loss, self._reduction.loss_count(samples_in(trainer, label)))
 
 
 def logits_of(output: Any) -> Any:

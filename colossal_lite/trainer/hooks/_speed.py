@@ -25,7 +25,7 @@ from ...logging import get_dist_logger
 from ...utils.flops import StepFlops, compute_kind, count_step_flops, peak_flops
 from .._timeline import Timeline, make_clock
 from ..speed_report import HOOK_PREFIX, PHASES, TAIL, SpeedFigures, format_report
-from ._metric_hook import Metric, MetricHook
+from ._metric_hook import Metric, MetricHook, samples_in
 from ._utils import device_of
 
 __all__ = ["SpeedReportHook"]
@@ -412,8 +412,7 @@ class SpeedReportHook(MetricHook):
     def _after_iter(self, trainer, *args):
         """Every training iteration, in place of the hooks' ``after_train_iter`` handlers (which it calls, timed
         on a sampled step): count the micro-batch, and at an optimizer step's end its figures."""
-        size = self._engine.schedule.batch_size
-        self._micro_samples += 1 if size is None else size
+        self._micro_samples += samples_in(trainer, args[1])
         if trainer.state.stepped:
             self._step_done(trainer)
         timing = self._timing
@@ -498,11 +497,13 @@ class SpeedReportHook(MetricHook):
                                "not counted; give SpeedReportHook(flops_per_sample=...)")
             return
         st, engine = trainer.state, self._engine
-        criterion = engine.criterion.wrapped
+        criterion, model_loss = engine.criterion.wrapped, engine.model_loss
+        if model_loss is not None:  # the model computes its own loss: taken from its output as the engine takes it
+            loss_of = lambda o, y: model_loss(o)  # noqa: E731
+        else:
+            loss_of = lambda o, y: call_criterion(criterion, o, y)  # noqa: E731
         try:
-            self.flops = count_step_flops(engine.unwrapped_model, st.data, st.label,
-                                          None if criterion is None else lambda o, y: call_criterion(criterion, o, y),
-                                          samples, call=call_with)
+            self.flops = count_step_flops(engine.unwrapped_model, st.data, st.label, loss_of, samples, call=call_with)
         except Exception as err:  # noqa: BLE001 - a model that cannot run on meta tensors has no counted FLOPs
             self.flops_note = (f"no MFU: the FLOPs could not be counted on meta tensors ({type(err).__name__}: "
                                f"{err}); give SpeedReportHook(flops_per_sample=...)")
@@ -512,8 +513,7 @@ class SpeedReportHook(MetricHook):
         step's figures, which are computed when read (``_step_figure``). The warm-up steps (their one-time costs:
         allocation, autotuning, compilation) are left out of every figure; the FLOPs are counted at the first."""
         if self.flops is None and not self.flops_note:
-            size = self._engine.schedule.batch_size
-            self._first_count(trainer, 1 if size is None else size)
+            self._first_count(trainer, samples_in(trainer, trainer.state.label))
         now = time.perf_counter()
         seconds, self._stamp = max(now - self._stamp, 1e-9), now
         samples, self._micro_samples = self._micro_samples, 0
