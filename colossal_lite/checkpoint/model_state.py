@@ -4,7 +4,8 @@ The engine's strategies, the legacy ``load_checkpoint`` and the checkpoint tool 
 """
 from __future__ import annotations
 
-from typing import Dict
+import sys
+from typing import Dict, Iterable, Optional
 
 import torch
 from torch import nn
@@ -21,10 +22,20 @@ class ModelMismatchError(RuntimeError):
         self.shapes_differ = shapes_differ
 
 
-def strip_prefix(state: Dict[str, torch.Tensor], prefix: str = "module.") -> Dict[str, torch.Tensor]:
-    """``state`` without ``prefix`` (DDP's ``module.``) when every key has it; else ``state`` as it is."""
-    if state and all(k.startswith(prefix) for k in state):
-        return {k[len(prefix):]: v for k, v in state.items()}
+#: The key prefixes wrappers add to a model's state dict: DDP's and torch.compile's.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def strip_prefix(state: Dict[str, torch.Tensor], own: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
+    """``state`` without the prefixes wrappers add (``WRAPPER_PREFIXES``, in any nesting) where every key has
+    one; else ``state`` as it is. ``own``: the keys of the model it is for, when known: stripping stops where the
+    keys are the model's (a model whose only child is called ``module`` keeps that prefix)."""
+    own = set(own) if own is not None else None
+    while state and set(state) != own:
+        prefix = next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state)), None)
+        if prefix is None:
+            break
+        state = {k[len(prefix):]: v for k, v in state.items()}
     return state
 
 
@@ -59,8 +70,9 @@ def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], strict: b
     keys and the shape mismatches.
     """
     model = unwrap_module(model)
-    state = strip_prefix(dict(state))
-    missing, unexpected = check_model_state(model.state_dict(), state, strict)
+    own = model.state_dict()
+    state = strip_prefix(dict(state), own)
+    missing, unexpected = check_model_state(own, state, strict)
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -71,17 +83,28 @@ def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], strict: b
 
 
 def unwrap_module(model: nn.Module) -> nn.Module:
-    """The user's module inside torch.compile (``_orig_mod``) and DDP-style (``.module``) wrappers, in any nesting.
+    """The user's module inside torch.compile's and data parallelism's wrappers, in any nesting.
 
-    Its ``state_dict`` has the keys of the plain model, which is what a checkpoint stores and loads.
+    Its ``state_dict`` has the keys of the plain model, which is what a checkpoint stores and loads. Only those
+    wrappers are opened: a model of the user's with a child called ``module`` (a backbone beside a head) is the
+    model, whole.
     """
     while True:
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            inner = getattr(model, "module", None)
-        if not isinstance(inner, nn.Module) or isinstance(model, nn.ModuleList):
+        inner = _wrapped(model)
+        if inner is None:
             return model
         model = inner
+
+
+def _wrapped(model: nn.Module) -> Optional[nn.Module]:
+    """The module a wrapper holds (``DistributedDataParallel``, ``DataParallel``, torch.compile's
+    ``OptimizedModule``); None for any other module."""
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return model.module
+    compiled = sys.modules.get("torch._dynamo.eval_frame")  # no compiled module exists before it is imported
+    if compiled is not None and isinstance(model, compiled.OptimizedModule):
+        return model._orig_mod
+    return None
 
 
 def is_sharded(model: nn.Module) -> bool:
