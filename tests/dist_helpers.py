@@ -10,9 +10,11 @@ users run with torchrun, start real torchrun (``run_torchrun`` or their own comm
 - test_clean_exit.py's runs under torchrun: a process's teardown at exit, under the launcher users run;
 - test_interrupt_under_torchrun.py, checkpoint/test_preemption.py, test_async_unwritable.py and
   test_unwritable_folder.py (their torchrun command lines): signals, exit statuses and restarts through the agent;
-- logging/test_launch_doc_*.py and context/test_config_overrides.py::test_the_docs_example_runs_under_torchrun:
-  docs snippets, run with the torchrun command the docs give;
-- examples/test_*_example.py and trainer/test_trainer_examples.py: the examples, with their READMEs' commands.
+- examples/test_digits_example.py: the README's first command, the digits example under torchrun.
+
+The other examples and the docs' multi-rank snippets run on ``run_ranks``: their subject is what the script does
+on two ranks, which the forked ranks run as torchrun's workers would (each rank starting torch again cost the
+suite about 9 s of CPU per launch).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from dist_helpers import doc_python_blocks, run_ranks, run_torchrun
+from dist_helpers import doc_python_blocks, run_ranks
 
 import colossal_lite
 from colossal_lite.context import Config, ConfigException
@@ -196,10 +196,10 @@ def test_cli_check_shows_the_overridden_config(tmp_path, config_file):
     assert malformed.returncode == 1 and malformed.stderr.startswith("error: --set zero: no '='"), malformed.stderr
 
 
-def test_the_docs_example_runs_under_torchrun(tmp_path, config_file):
+def test_the_docs_example_runs_on_two_ranks(tmp_path, config_file):
     snippet = doc_python_blocks("docs/config.md", "Overriding from the command line")[0]
     (tmp_path / "train.py").write_text(snippet)
-    proc = run_torchrun(tmp_path / "train.py", ["--config", config_file, "--set", "fp16.mode=bf16",
+    proc = run_ranks(tmp_path / "train.py", ["--config", config_file, "--set", "fp16.mode=bf16",
                                                 "--set", "BATCH_SIZE=64"], nproc=2, cwd=tmp_path)
     for rank in (0, 1):
         assert f"rank {rank}: BATCH_SIZE=64 fp16={{'mode': 'bf16'}}" in proc.stdout, proc.stdout

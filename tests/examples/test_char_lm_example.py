@@ -1,7 +1,7 @@
 """The char_lm example (grad_reduction='per-token-mean' on padded lines) beats the unigram baseline."""
 import re
 
-from dist_helpers import REPO, run_python, run_torchrun
+from dist_helpers import REPO, run_python, run_ranks
 
 SCRIPT = REPO / "examples" / "char_lm" / "train.py"
 
@@ -13,7 +13,7 @@ def one_value(name: str, stdout: str) -> float:
 
 
 def test_char_lm_on_2_processes_ends_below_the_unigram_baseline():
-    proc = run_torchrun(SCRIPT, ["--epochs", "6"], nproc=2, timeout=120)
+    proc = run_ranks(SCRIPT, ["--epochs", "6"], nproc=2, timeout=120)
     baseline = one_value("unigram baseline", proc.stdout)
     final = one_value("final per-token loss", proc.stdout)
     assert proc.stdout.rstrip().splitlines()[-1] == f"final per-token loss: {final:.4f}", proc.stdout

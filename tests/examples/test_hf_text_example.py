@@ -3,7 +3,7 @@ sharded checkpoint exports as a Hugging Face folder whose ``from_pretrained`` mo
 import re
 
 import torch
-from dist_helpers import REPO, run_torchrun
+from dist_helpers import REPO, run_ranks
 from optional_packages import require_transformers
 
 require_transformers("the example trains a transformers GPT-2", module_level=True)
@@ -23,7 +23,7 @@ def test_hf_text_on_2_processes_learns_and_exports_for_from_pretrained(tmp_path,
     from colossal_lite.checkpoint.cli import main
 
     run = tmp_path / "run"
-    proc = run_torchrun(SCRIPT, ["--epochs", "3", "--out", run], nproc=2, timeout=300)
+    proc = run_ranks(SCRIPT, ["--epochs", "3", "--out", run], nproc=2, timeout=300)
     baseline, final = one_value("unigram baseline", proc.stdout), one_value("final eval loss", proc.stdout)
     assert 2.5 < baseline < 3.5, f"the unigram entropy of English characters is about 3 nats, got {baseline}"
     assert final < baseline, proc.stdout

@@ -1,8 +1,8 @@
-"""docs/launch.md, "Printing on every rank": the every_rank.py snippet under torchrun with 2 gloo processes; each of
+"""docs/launch.md, "Printing on every rank": the every_rank.py snippet on 2 gloo ranks (``run_ranks``); each of
 its prints is one write of a whole line, and every line of both ranks comes out whole."""
 import ast
 
-from dist_helpers import doc_python_blocks, run_torchrun
+from dist_helpers import doc_python_blocks, run_ranks
 from one_write import two_write_prints
 
 
@@ -12,6 +12,6 @@ def test_the_every_rank_snippet_prints_whole_lines_in_one_write_each(tmp_path):
     assert two_write_prints(ast.parse(snippet)) == []
     script = tmp_path / "every_rank.py"
     script.write_text(snippet)
-    out = run_torchrun(script, nproc=2, timeout=120, cwd=tmp_path).stdout
+    out = run_ranks(script, nproc=2, timeout=120, cwd=tmp_path).stdout
     expected = [f"rank {rank} step {step}" for rank in (0, 1) for step in range(100)]
     assert sorted(out.splitlines()) == sorted(expected), out

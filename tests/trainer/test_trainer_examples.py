@@ -3,7 +3,7 @@ import re
 from collections import Counter
 
 import pytest
-from dist_helpers import REPO, run_python, run_torchrun
+from dist_helpers import REPO, run_python, run_ranks
 
 from colossal_lite.utils.metrics_file import read_metrics
 
@@ -30,7 +30,7 @@ def test_trainer_example_on_two_processes_keeps_its_metrics_for_plotting(tmp_pat
     """The example's final accuracy is the history's last test value, and --log-dir keeps every step once."""
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (the `examples` extra)")
     run = tmp_path / "runs" / "digits"
-    proc = run_torchrun(DIGITS / "train_trainer.py", ["--log-dir", run, "--require-accuracy", "0.95"], nproc=2,
+    proc = run_ranks(DIGITS / "train_trainer.py", ["--log-dir", run, "--require-accuracy", "0.95"], nproc=2,
                         timeout=240)
     printed = re.findall(r"final test accuracy: ([0-9.]+)", proc.stdout)
     assert len(printed) == 1, proc.stdout  # rank 0 only

@@ -61,11 +61,6 @@ def write_csv(path, records):
     return path
 
 
-def run_cli(*args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "colossal_lite.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=180, cwd=cwd)
-
-
 def lines_by_panel(fig):
     return {ax.get_title(): [line.get_label() for line in ax.get_lines()] for ax in fig.axes}
 
@@ -75,14 +70,13 @@ def pixels_near(image, colour, tolerance=0.06):
     return int((np.abs(image[..., :3] - np.array(to_rgb(colour))) < tolerance).all(axis=-1).sum())
 
 
-def test_the_cli_draws_a_png_of_the_size_asked_with_train_and_test_curves(tmp_path):
+def test_the_cli_draws_a_png_of_the_size_asked_with_train_and_test_curves(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     write_jsonl(run / "metrics.jsonl", made_up_run())
     out = tmp_path / "curves.png"
-    proc = run_cli("plot", run, "-o", out, "--size", "8,5", "--dpi", 80)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == f"wrote {out}: Loss (3), Accuracy (3), Throughput (1), LR (1)\n"
+    assert main(["plot", str(run), "-o", str(out), "--size", "8,5", "--dpi", "80"]) == 0
+    assert capsys.readouterr().out == f"wrote {out}: Loss (3), Accuracy (3), Throughput (1), LR (1)\n"
     image = imread(out)
     assert image.shape[:2] == (5 * 80, 8 * 80)
     assert image[..., :3].std() > 0.05
@@ -226,10 +220,11 @@ def test_malformed_csv_is_named(tmp_path):
         read_metrics(path)
 
 
-def test_the_cli_prints_the_error_without_a_traceback(tmp_path):
-    proc = run_cli("plot", tmp_path, "-o", tmp_path / "curves.png")
-    assert proc.returncode == 1 and proc.stdout == ""
-    assert proc.stderr == (f"error: no metrics.jsonl or metrics.csv in {tmp_path}: give the run folder the Trainer "
+def test_the_cli_prints_the_error_without_a_traceback(tmp_path, capsys):
+    status = main(["plot", str(tmp_path), "-o", str(tmp_path / "curves.png")])
+    printed = capsys.readouterr()
+    assert status == 1 and printed.out == ""
+    assert printed.err == (f"error: no metrics.jsonl or metrics.csv in {tmp_path}: give the run folder the Trainer "
                            "wrote them to (a checkpoint folder or log_dir), or the path of a .jsonl or .csv file\n")
     assert not (tmp_path / "curves.png").exists()
 
