@@ -36,22 +36,19 @@ def test_inconsistent_values_show_the_arithmetic(given, world, needle):
     assert "Fix:" in str(e.value)
 
 
-def test_check_and_launch_apply_the_arithmetic(tmp_path):
-    import subprocess
-    import sys
-
+def test_check_and_launch_apply_the_arithmetic(tmp_path, capsys):
+    from colossal_lite.cli import main
     from colossal_lite.core import global_context as gpc
     from colossal_lite.launch import launch
 
     cfg = tmp_path / "batch.py"
     cfg.write_text("micro_batch_size = 8\nglobal_batch_size = 64\ngradient_accumulation = 2\n")
-    ok = subprocess.run([sys.executable, "-m", "colossal_lite.cli", "check", str(cfg), "--world-size", "4"],
-                        capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr
-    assert "micro batch size: 8" in ok.stdout and "world size 4" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "colossal_lite.cli", "check", str(cfg)], capture_output=True, text=True)
-    assert bad.returncode == 1
-    assert f"{cfg}:2: config key 'global_batch_size'" in bad.stderr and "= 16, not 64" in bad.stderr
+    assert main(["check", str(cfg), "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "micro batch size: 8" in out and "world size 4" in out
+    assert main(["check", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert f"{cfg}:2: config key 'global_batch_size'" in err and "= 16, not 64" in err
     (tmp_path / "two.py").write_text("micro_batch_size = 8\nglobal_batch_size = 32\n")
     try:
         launch(str(tmp_path / "two.py"), rank=0, world_size=1, host=None, port=None, verbose=False)

@@ -2,13 +2,12 @@
 torchrun with the parser's ``--set``, ``colossal-lite check --set`` and the docs' example."""
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 from dist_helpers import doc_python_blocks, run_ranks
 
 import colossal_lite
+from colossal_lite.cli import main as cli_main
 from colossal_lite.context import Config, ConfigException
 from colossal_lite.context.overrides import apply_overrides, parse_override
 from colossal_lite.context.validation import load_config
@@ -173,33 +172,34 @@ def test_launch_from_torch_refuses_a_misspelt_override_before_starting(tmp_path,
     assert "SEEN" not in proc.stdout
 
 
-def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "colossal_lite.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=120, cwd=cwd)
+def run_cli(capsys, *args):
+    """``colossal-lite ARGS`` in this process: (exit status, stdout, stderr)."""
+    status = cli_main([str(a) for a in args])
+    printed = capsys.readouterr()
+    return status, printed.out, printed.err
 
 
-def test_cli_check_shows_the_overridden_config(tmp_path, config_file):
-    proc = run_cli("check", config_file, "--set", "fp16.mode=bf16", "--set", "gradient_accumulation=4",
-                   "--set", "BATCH_SIZE=64", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+def test_cli_check_shows_the_overridden_config(config_file, capsys):
+    status, out, err = run_cli(capsys, "check", config_file, "--set", "fp16.mode=bf16", "--set",
+                               "gradient_accumulation=4", "--set", "BATCH_SIZE=64")
+    assert status == 0, err
     assert out.startswith(f"{config_file} --set fp16.mode=bf16 --set gradient_accumulation=4 --set BATCH_SIZE=64: OK")
     assert "precision: bf16 autocast" in out
     assert "gradient accumulation: 4 micro-batches per optimizer step" in out
     assert "your own values: BATCH_SIZE=64" in out
 
-    bad = run_cli("check", config_file, "--set", "clip_grad_nrom=1.0", cwd=tmp_path)
-    assert bad.returncode == 1 and bad.stdout == ""
-    assert bad.stderr.startswith("error: --set clip_grad_nrom=1.0: config key 'clip_grad_nrom'"), bad.stderr
-    assert "Traceback" not in bad.stderr
-    malformed = run_cli("check", config_file, "--set", "zero", cwd=tmp_path)
-    assert malformed.returncode == 1 and malformed.stderr.startswith("error: --set zero: no '='"), malformed.stderr
+    status, out, err = run_cli(capsys, "check", config_file, "--set", "clip_grad_nrom=1.0")
+    assert status == 1 and out == ""
+    assert err.startswith("error: --set clip_grad_nrom=1.0: config key 'clip_grad_nrom'"), err
+    assert "Traceback" not in err
+    status, _, err = run_cli(capsys, "check", config_file, "--set", "zero")
+    assert status == 1 and err.startswith("error: --set zero: no '='"), err
 
 
 def test_the_docs_example_runs_on_two_ranks(tmp_path, config_file):
     snippet = doc_python_blocks("docs/config.md", "Overriding from the command line")[0]
     (tmp_path / "train.py").write_text(snippet)
     proc = run_ranks(tmp_path / "train.py", ["--config", config_file, "--set", "fp16.mode=bf16",
-                                                "--set", "BATCH_SIZE=64"], nproc=2, cwd=tmp_path)
+                                             "--set", "BATCH_SIZE=64"], nproc=2, cwd=tmp_path)
     for rank in (0, 1):
         assert f"rank {rank}: BATCH_SIZE=64 fp16={{'mode': 'bf16'}}" in proc.stdout, proc.stdout
