@@ -53,16 +53,21 @@ def _engine_lbfgs(launched, steps, config=None):
     model = make_model(dout=4)
     engine, *_ = colossal_lite.initialize(model, _lbfgs(model), LOSS, verbose=False)
     calls = []
+    closure = engine_closure(engine, x, y, calls)
+    updated = [engine.step(closure) for _ in range(steps)]
+    return engine, calls, updated
 
+
+def engine_closure(engine, x, y, calls=None):
+    """The closure a user writes for ``engine.step(closure)``; ``calls`` collects each evaluation's loss."""
     def closure():
         engine.zero_grad()
         loss = engine.criterion(engine(x), y)
         engine.backward(loss)
-        calls.append(float(loss.detach()))
+        if calls is not None:
+            calls.append(float(loss.detach()))
         return loss
-
-    updated = [engine.step(closure) for _ in range(steps)]
-    return engine, calls, updated
+    return closure
 
 
 def _assert_equal_params(a, b):
@@ -89,15 +94,8 @@ def test_a_scheduler_from_initialize_steps_once_per_closure_update(launched):
     engine, _, _, sched = colossal_lite.initialize(model, optimizer, LOSS,
                                                    lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5),
                                                    verbose=False)
-
-    def closure():
-        engine.zero_grad()
-        loss = engine.criterion(engine(x), y)
-        engine.backward(loss)
-        return loss
-
     for _ in range(2):
-        engine.step(closure)
+        engine.step(engine_closure(engine, x, y))
         sched.step()
     assert optimizer.param_groups[0]["lr"] == 0.5 * 0.25
 
