@@ -819,6 +819,10 @@ class Trainer:
         st, engine, timer = self.state, self._engine, self._run_timer
         was_training = engine.training
         engine.eval()
+        # After training each rank's buffers (BatchNorm's statistics) hold its own last batch's update: the first
+        # forward brings rank 0's, the model checkpoints keep, so that every evaluation is of that one model. DDP
+        # does this by itself only after a synced training forward, not at an evaluation that follows another.
+        engine.strategy.sync_buffers_at_next_forward(engine.model)
         st.phase = "test"
         total = _loader_len(loader)
         if max_batches is not None:
