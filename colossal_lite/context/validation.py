@@ -9,6 +9,7 @@ import difflib
 import inspect
 import math
 import numbers
+import os
 import warnings
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Union
@@ -430,6 +431,14 @@ class _Checker:
         return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def _on_rank_0() -> bool:
+    """Rank 0, also before the process group exists (torchrun's ``RANK``): every rank checks the config, and a
+    warning is said once."""
+    from ..core.dist import is_distributed, is_rank_0
+
+    return is_rank_0() if is_distributed() else os.environ.get("RANK", "0") == "0"
+
+
 def compile_modes() -> List[str]:
     """The modes the installed torch.compile accepts for its default (inductor) backend; torch._inductor is
     imported here, when a config asks for a mode, because importing it costs seconds."""
@@ -561,7 +570,8 @@ def validate_config(config: Config) -> List[str]:
                    f"value, write it in UPPERCASE or filter ForeignConfigKeyWarning (from colossal_lite.context)")
             # attributed to this line, so Python's default filter shows each message once however often the config
             # is checked (launch_from_torch checks it before launch does)
-            warnings.warn(msg, ForeignConfigKeyWarning, stacklevel=1)
+            if _on_rank_0():
+                warnings.warn(msg, ForeignConfigKeyWarning, stacklevel=1)
             notes.append(msg)
     # a feature dict nested inside another top-level dict does nothing (CONFIG = dict(fp16=...))
     for key, value in config.items():

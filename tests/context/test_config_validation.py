@@ -388,6 +388,19 @@ def test_the_foreign_name_warning_can_be_filtered_and_is_a_user_warning(tmp_path
         assert load_config(_write(tmp_path, "bf16 = True\nBF16_RUN = True\n")).bf16 is True
 
 
+def test_the_foreign_name_warning_is_said_by_rank_0_only(tmp_path, monkeypatch):
+    """Every rank checks the config as it launches, before the process group exists: torchrun's RANK says which
+    one speaks (two ranks printed the warning twice; found by the output probe)."""
+    path = _write(tmp_path, "bf16 = True\n")
+    monkeypatch.setenv("RANK", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForeignConfigKeyWarning)
+        assert load_config(path).bf16 is True
+    monkeypatch.setenv("RANK", "0")
+    with pytest.warns(ForeignConfigKeyWarning):
+        load_config(path)
+
+
 def test_every_foreign_name_is_a_name_the_checker_keeps():
     """A name of the table that the checker refused as a near-miss would never reach the warning."""
     for key in FOREIGN_KEYS:

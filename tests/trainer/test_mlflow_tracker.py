@@ -29,9 +29,9 @@ def store(tmp_path, monkeypatch):
     gpc.destroy()
 
 
-def build():
+def build(data_seed=0):
     torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(data_seed)
     data = torch.utils.data.TensorDataset(torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g))
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -39,8 +39,8 @@ def build():
     return Engine(model, opt, nn.CrossEntropyLoss()), sched, get_dataloader(data, shuffle=True, seed=7, batch_size=8)
 
 
-def fit(uri, folder, crash=None, resume=None):
-    engine, sched, loader = build()
+def fit(uri, folder, crash=None, resume=None, data_seed=0):
+    engine, sched, loader = build(data_seed)
     trainer = Trainer(engine)
     hooks = [LossHook(), LRSchedulerHook(sched, by_epoch=False), SaveCheckpointHook("4ba", folder)]
     history = trainer.fit(loader, epochs=2, hooks=hooks + ([crash_at(crash)] if crash else []), resume_from=resume,
@@ -84,6 +84,22 @@ def test_a_resumed_run_continues_the_same_mlflow_run_without_sending_a_step_twic
             # the resumed history takes the same values back from the checkpoint's folder
             assert name.startswith("checkpoint/") and logged[0][0] == 4, name
         assert logged == [(s, pytest.approx(v, rel=1e-12)) for s, v in history.series(name)], name
+
+
+def test_a_run_resumed_from_an_earlier_checkpoint_sends_its_own_values_after_it(store, tmp_path, capsys):
+    """The whole run is sent, then resumed from step 4 on other data: MLflow cannot forget steps 5-10's first
+    values, so each of those steps holds both, the later being the history's, and the user is told once."""
+    fit(store, tmp_path / "ck")
+    trainer, history = fit(store, tmp_path / "ck", resume=str(tmp_path / "ck" / "epoch0-step4"), data_seed=1)
+    assert trainer.restored_from.name == "epoch0-step4"
+    client, (run,) = runs(store)
+    for name in history.names:
+        latest = {}
+        for m in sorted(client.get_metric_history(run.info.run_id, name), key=lambda m: m.timestamp):
+            latest[m.step] = m.value
+        assert sorted(latest.items()) == [(s, pytest.approx(v, rel=1e-12)) for s, v in history.series(name)], name
+    logged = capsys.readouterr()
+    assert (logged.out + logged.err).count("already holds other values from step 5 on") == 1
 
 
 def test_without_mlflow_the_error_names_the_extra(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from ...logging import get_dist_logger
 from ._base import RunInfo, Tracker
 
 __all__ = ["MLflowTracker"]
@@ -50,14 +51,15 @@ class MLflowTracker(Tracker):
         self.log_checkpoint_files = bool(log_checkpoint)
         self.run_id: Optional[str] = None
         self._client = None
-        self._sent: Dict[str, int] = {}  # per metric, the last step an earlier process sent (a resumed run)
+        self._sent: Dict[str, Dict[int, float]] = {}  # per metric, what an earlier process sent, by step
+        self._warned_resent = False
 
     def start(self, run: RunInfo) -> None:
         _, client_cls, _, param_cls = _mlflow()
         self._client = client = self._connect(client_cls)
         if self.run_id is not None:
             client.update_run(self.run_id, status="RUNNING")
-            self._sent = self._last_steps()
+            self._sent = self._values_sent()
             return
         found = client.get_experiment_by_name(self.experiment)
         experiment_id = found.experiment_id if found is not None else client.create_experiment(self.experiment)
@@ -85,20 +87,32 @@ class MLflowTracker(Tracker):
                 f"MLFLOW_ALLOW_FILE_STORE=true)") from err
         return client
 
-    def _last_steps(self) -> Dict[str, int]:
-        """The last step of each metric the run already has (what an interrupted process sent)."""
-        last = {}
+    def _values_sent(self) -> Dict[str, Dict[int, float]]:
+        """The values the run already has, per metric and step (what an earlier process sent; the latest at a step)."""
+        sent: Dict[str, Dict[int, float]] = {}
         for name in self._client.get_run(self.run_id).data.metrics:
-            steps = [m.step for m in self._client.get_metric_history(self.run_id, name)]
-            if steps:
-                last[name] = max(steps)
-        return last
+            points = sorted(self._client.get_metric_history(self.run_id, name), key=lambda m: m.timestamp)
+            sent[name] = {m.step: m.value for m in points}
+        return sent
 
     def log_metrics(self, metrics: Dict[str, float], step: int, epoch: int, time: float) -> None:
+        """Send the records of ``step``. A record an earlier process sent alike (a resume replays what followed its
+        checkpoint) is not sent twice; one with another value (a resume from an earlier checkpoint, other data)
+        is: MLflow cannot delete the earlier value, so the step shows both, the later being this run's."""
         _, _, metric_cls, _ = _mlflow()
         stamp = int(time * 1000)
-        batch = [metric_cls(name, value, stamp, step) for name, value in metrics.items()
-                 if step > self._sent.get(name, -1)]
+        batch = []
+        for name, value in metrics.items():
+            earlier = self._sent.get(name, {}).get(step)
+            if earlier is not None and earlier == value:
+                continue
+            if earlier is not None and not self._warned_resent:
+                self._warned_resent = True
+                get_dist_logger().warning(
+                    f"MLflowTracker: run {self.run_id} already holds other values from step {step} on (this run "
+                    f"resumed from an earlier checkpoint, or trains other data); MLflow cannot delete them, so those "
+                    f"steps show both values, the later one this run's", ranks=[0])
+            batch.append(metric_cls(name, value, stamp, step))
         for i in range(0, len(batch), _BATCH):
             self._client.log_batch(self.run_id, metrics=batch[i:i + _BATCH])
 
