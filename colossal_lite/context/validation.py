@@ -14,6 +14,8 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Union
 
+import torch.distributed as dist
+
 from ..amp.amp_type import AMP_TYPE
 from ..logging import get_dist_logger
 from ..registry import GRADIENT_HANDLER
@@ -434,9 +436,9 @@ class _Checker:
 def _on_rank_0() -> bool:
     """Rank 0, also before the process group exists (torchrun's ``RANK``): every rank checks the config, and a
     warning is said once."""
-    from ..core.dist import is_distributed, is_rank_0
-
-    return is_rank_0() if is_distributed() else os.environ.get("RANK", "0") == "0"
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 def compile_modes() -> List[str]:
