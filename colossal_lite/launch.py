@@ -83,11 +83,7 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
     else:
         _start_group(backend, rank, world_size, host, port, timeout, device)
     gpc.finish_launch()
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if local.isdigit():  # torchrun (and the launchers that mimic it) says how many processes this node runs
-        gpc.num_processes_on_current_node = int(local)
-    else:  # (a collective; every rank of one launch has the same environment, so all come here)
-        gpc.detect_num_processes_on_current_node()
+    gpc.detect_num_processes_on_current_node()
     gpc.set_seed(seed)
     if verbose:
         get_dist_logger().info(

@@ -159,8 +159,13 @@ class GlobalContext:
     virtual_pipeline_parallel_rank = None
 
     def detect_num_processes_on_current_node(self) -> int:
-        """Count the processes of the group on this machine (by host name) into ``num_processes_on_current_node``.
-        A collective, as in legacy: every rank calls it (``launch`` does)."""
+        """Count the processes of the group on this machine into ``num_processes_on_current_node``: torchrun's
+        ``LOCAL_WORLD_SIZE`` where the launcher gives it, else by host name, a collective, as in legacy (every rank
+        calls it: ``launch`` does, and every rank of one launch has the same environment)."""
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if local.isdigit():
+            self.num_processes_on_current_node = int(local)
+            return self.num_processes_on_current_node
         host = socket.gethostname()
         if _dist_ready() and dist.get_world_size() > 1:
             hosts: List[Optional[str]] = [None] * dist.get_world_size()

@@ -318,8 +318,7 @@ class Engine:
                 raise RuntimeError("engine.step(closure): the closure ran no engine.backward(loss). Fix: the closure "
                                    "runs engine.zero_grad(), out = engine(x), loss = engine.criterion(out, y), "
                                    "engine.backward(loss), and returns loss")
-            self.strategy.reduce_gradients(self._model)
-            self.reduction.finish(self._params, self.window.closing)
+            self.prepare_update()  # (always True here: the guard that skips updates is refused above)
             self.clip_gradients()
             return self.strategy.mean_over_ranks(loss.detach())
 

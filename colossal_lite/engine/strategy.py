@@ -18,7 +18,7 @@ from torch import nn
 
 from ..checkpoint.model_state import load_model_state, unwrap_module
 from ..context.hints import py
-from ..core.dist import world_size
+from ..core.dist import all_reduce_sum_, world_size
 from ..registry import GRADIENT_HANDLER
 
 
@@ -75,11 +75,9 @@ class SingleProcess:
     def mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` averaged over the data-parallel ranks (a collective where they are several: every rank calls
         it); itself where each process trains alone."""
-        if not self.data_parallel or not dist.is_initialized() or dist.get_world_size() == 1:
+        if not self.data_parallel:
             return value
-        total = value.clone()
-        dist.all_reduce(total)
-        return total / dist.get_world_size()
+        return all_reduce_sum_(value.clone()) / world_size()
 
     def explain(self, model: nn.Module, error: RuntimeError) -> Optional[RuntimeError]:
         """An error of the forward said in the config's words, with the fix; None: leave it as it is."""

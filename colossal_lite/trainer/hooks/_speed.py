@@ -498,10 +498,11 @@ class SpeedReportHook(MetricHook):
             return
         st, engine = trainer.state, self._engine
         criterion, model_loss = engine.criterion.wrapped, engine.model_loss
-        if model_loss is not None:  # the model computes its own loss: taken from its output as the engine takes it
-            loss_of = lambda o, y: model_loss(o)  # noqa: E731
-        else:
-            loss_of = lambda o, y: call_criterion(criterion, o, y)  # noqa: E731
+
+        def loss_of(output, label):
+            """The loss as the engine takes it (the criterion's, or the model's own from its output), without the
+            engine's bookkeeping (token counts), which the count must not touch."""
+            return model_loss(output) if model_loss is not None else call_criterion(criterion, output, label)
         try:
             self.flops = count_step_flops(engine.unwrapped_model, st.data, st.label, loss_of, samples, call=call_with)
         except Exception as err:  # noqa: BLE001 - a model that cannot run on meta tensors has no counted FLOPs
