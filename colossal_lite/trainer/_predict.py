@@ -114,6 +114,10 @@ def predict_loader(engine, loader: Any) -> Any:
     each rank returns its own batches' outputs in the loader's order."""
     sampler: Optional[Any] = _sampler_of(loader)
     indices = _upcoming(sampler) if sampler is not None else None
+    if sampler is not None:
+        # The gathered rows are of one model, rank 0's, as in evaluation: every rank calls this (the gather is a
+        # collective), so the first forward can bring its buffers (after EMA's swap each rank holds its own).
+        engine.strategy.sync_buffers_at_next_forward(engine.model)
     outputs = [call_with(engine, _inputs(engine.schedule, batch, engine.device)) for batch in loader]
     output = _concat(outputs)
     if indices is None:

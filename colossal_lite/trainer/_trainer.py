@@ -835,6 +835,10 @@ class Trainer:
         with torch.no_grad():
             count = self._eval_batches(loader, total, return_output_label, progress)
         timer.stop("Test-epoch", keep_in_history=True)
+        # The display's last line shows the values over all ranks, as the log line and the history do. Read on
+        # every rank (each is a collective), and kept: the epoch-end hooks that read them next reuse them.
+        for metric in self.states["metrics"]["test"].values():
+            metric.get_accumulated_value()
         progress.close()
         self.fire(Event.AFTER_TEST_EPOCH)
         self.fire(Event.AFTER_TEST)

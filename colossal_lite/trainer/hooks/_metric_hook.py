@@ -168,6 +168,10 @@ class Metric:
         reduced over ranks: what a progress display shows during evaluation. By default the last step's."""
         return self.last_step_value()
 
+    def known_accumulated_value(self) -> Optional[float]:
+        """``get_accumulated_value()``'s result when it was read since the last update, else None (no collective)."""
+        return self._cached
+
     def get_last_step_value(self) -> Any:
         """``last_step_value()`` as a Python number (reads the device)."""
         return to_number(self.last_step_value())
@@ -832,8 +836,8 @@ class ThroughputHook(MetricHook):
 
 class _StepMetricsView(Mapping):
     """``states['step_metrics']`` as a live view, read on access: in training each metric's last-step value, in
-    evaluation its value over the batches evaluated so far (which ends as the epoch's value the log line shows;
-    a last batch's value says little about a test set)."""
+    evaluation its value over the batches evaluated so far (a last batch's value says little about a test set),
+    this rank's while the evaluation runs and all ranks' once it is over (the value the log line shows)."""
 
     def __init__(self, trainer):
         self._trainer = trainer
@@ -841,7 +845,11 @@ class _StepMetricsView(Mapping):
     def _items(self):
         testing = self._trainer.state.phase == "test"
         for name, metric in self._trainer.states["metrics"]["test" if testing else "train"].items():
-            value = metric.running_value() if testing else metric.last_step_value()
+            if testing:
+                value = metric.known_accumulated_value()
+                value = metric.running_value() if value is None else value
+            else:
+                value = metric.last_step_value()
             if value is not None:
                 yield name.lower(), value
 
