@@ -558,9 +558,9 @@ def validate_config(config: Config) -> List[str]:
         if not isinstance(key, str) or key.isupper() or key.startswith("_"):
             continue
         if key in FEATURE_KEYS:
-            if value is None and key != "fp16" and checker.from_command_line((key,)):
-                # --set KEY=None takes the key away (its default applies), as initialize(config=dict(KEY=None))
-                # does; fp16 = None is a value of its own (fp32) and stays
+            if value is None and key != "fp16":
+                # KEY = None (in the file, in a dict or by --set KEY=None) takes the key away: its default applies,
+                # which is "off" for every feature; fp16 = None is a value of its own (fp32) and stays
                 del config[key]
                 continue
             getattr(checker, key)(value)

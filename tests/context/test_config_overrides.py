@@ -9,6 +9,7 @@ from dist_helpers import doc_python_blocks, run_ranks
 import colossal_lite
 from colossal_lite.cli import main as cli_main
 from colossal_lite.context import Config, ConfigException
+from colossal_lite.context.features import describe_features
 from colossal_lite.context.overrides import apply_overrides, parse_override
 from colossal_lite.context.validation import load_config
 
@@ -108,11 +109,13 @@ def test_set_none_takes_a_feature_key_away_as_initialize_does(key):
     assert key not in config and {k: v for k, v in given.items() if k != key}.items() <= config.items()
 
 
-def test_none_written_in_a_file_is_still_refused_where_it_was(tmp_path):
+def test_none_written_in_a_file_takes_the_key_away_as_set_does(tmp_path):
+    """``zero = None`` in the file means what ``--set zero=None`` and ``dict(zero=None)`` mean: ZeRO off."""
     path = tmp_path / "config.py"
-    path.write_text("zero = None\n")
-    with pytest.raises(ConfigException, match=rf"^{re.escape(str(path))}:1: config key 'zero': expected a dict"):
-        load_config(path)
+    path.write_text("zero = None\nclip_grad_norm = None\ngradient_accumulation = None\nfp16 = None\n")
+    config = load_config(path)
+    assert dict(config) == {"fp16": None}
+    assert "ZeRO" not in "\n".join(describe_features(config))
 
 
 @pytest.mark.parametrize("text, message", [
