@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import warnings
 from typing import Callable, Iterable, Optional, Tuple, Union
 
 import torch
@@ -16,7 +17,7 @@ from .amp.precision import build_precision
 from .context.config import Config, ConfigException
 from .context.defaults import GRADIENT_BUCKET_MB, setting
 from .context.features import describe_features
-from .context.validation import FEATURE_KEYS, validate_config
+from .context.validation import FEATURE_KEYS, ForeignConfigKeyWarning, validate_config
 from .core.global_context import global_context as gpc
 from .engine.accumulation import AccumulationDataLoader, AccumulationWindow
 from .engine.auto_batch import AutoMicroBatcher
@@ -89,7 +90,10 @@ def _engine_config(launch_config, overrides):
     # None takes the launch config's setting away for this engine (it gets the default), e.g. zero=None
     merged = Config({key: value for key, value in {**dict(launch_config), **overrides}.items() if value is not None})
     try:
-        validate_config(merged)
+        with warnings.catch_warnings():
+            # a foreign name can only be the launch config's (the overrides are engine keys): it was said there
+            warnings.simplefilter("ignore", ForeignConfigKeyWarning)
+            validate_config(merged)
     except ConfigException as err:
         raise ConfigException(f"initialize(config=...): {err}") from None
     return merged

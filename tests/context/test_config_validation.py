@@ -7,6 +7,7 @@ import pytest
 
 from colossal_lite.context import Config, ConfigException, ForeignConfigKeyWarning
 from colossal_lite.context.validation import FEATURE_KEYS, FOREIGN_KEYS, validate_config
+from colossal_lite.initialize import _engine_config
 from colossal_lite.launch import load_config
 
 HEADER = "from colossal_lite.amp import AMP_TYPE\nBATCH_SIZE = 8\nNUM_EPOCHS = 2\n"  # 3 lines; the case starts on line 4
@@ -386,6 +387,17 @@ def test_the_foreign_name_warning_can_be_filtered_and_is_a_user_warning(tmp_path
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", category=ForeignConfigKeyWarning)
         assert load_config(_write(tmp_path, "bf16 = True\nBF16_RUN = True\n")).bf16 is True
+
+
+def test_the_foreign_name_warning_is_not_said_again_by_an_engines_own_config(tmp_path):
+    """``initialize(config=dict(...))`` checks the launch config with its overrides again: the foreign name was
+    already said with the file's line, and was said a second time as ``<dict config>`` (found by a probe)."""
+    with pytest.warns(ForeignConfigKeyWarning):
+        launch_config = load_config(_write(tmp_path, "bf16 = True\n"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForeignConfigKeyWarning)
+        merged = _engine_config(launch_config, dict(clip_grad_norm=1.0))
+    assert merged.bf16 is True and merged.clip_grad_norm == 1.0
 
 
 def test_the_foreign_name_warning_is_said_by_rank_0_only(tmp_path, monkeypatch):
