@@ -5,7 +5,8 @@ One class per choice, always called by the Engine (``watch`` in ``backward``, ``
 - ``RaiseOnNonFinite`` ('raise', the default): records the loss on the device, with no host read in the step,
   and ``check()`` raises ``NonFiniteLossError`` naming the first step, where the Trainer reads metrics anyway
   (an epoch's end, a checkpoint, the end of ``fit``). One inf loss turns every parameter into NaN, so the
-  run is stopped there rather than left to train on NaN.
+  run is stopped there rather than left to train on NaN. ``check_weights`` refuses to save nan/inf weights
+  (``save_checkpoint``: a user's own loop may never call ``check``).
 - ``SkipNonFinite`` ('skip'): an update whose accumulation window had a non-finite loss on any rank is
   skipped, as torch's GradScaler does for fp16; it reads one flag per update (and all-reduces it).
 - ``IgnoreNonFinite`` ('ignore', and the fp16 modes, whose loss scaler already skips such updates): nothing.
@@ -15,7 +16,7 @@ Every rank must call ``check``/``allows_step`` together: they all-reduce when th
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -53,6 +54,9 @@ class IgnoreNonFinite:
 
     def check(self) -> None:
         pass
+
+    def check_weights(self, state: Dict[str, Any], what: str) -> None:
+        """Before ``what`` writes ``state`` (a model's state dict): refuse weights that are not finite."""
 
 
 def _loss_value(loss: torch.Tensor) -> torch.Tensor:
@@ -142,6 +146,27 @@ class RaiseOnNonFinite(IgnoreNonFinite):
             f"{step}); from that update on the parameters are likely nan. Check the data and the loss for "
             f"nan/inf, lower the learning rate or set clip_grad_norm; or set nonfinite_loss = 'skip' in the config to "
             f"skip such updates (nonfinite_loss = 'ignore' trains on regardless)")
+
+
+    def check_weights(self, state: Dict[str, Any], what: str) -> None:
+        """Raise ``NonFiniteLossError`` rather than let ``what`` write nan/inf weights over the last good file.
+
+        Reads every floating tensor of ``state`` on this rank alone (no collective: a legacy script may save on
+        rank 0 alone); under data parallelism a non-finite loss on any rank reaches every rank's weights. A user's
+        own loop has no other point where the guard is read, unless it calls ``engine.check_loss_finite()``."""
+        bad = [name for name, value in state.items()
+               if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(value.isfinite().all())]
+        if not bad:
+            return
+        found = self._first_bad_step()
+        seen = "" if found is None else (f"; this rank's training loss was first not finite in optimizer step "
+                                         f"{found[0]}{'' if found[1] else ' or earlier'}")
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise NonFiniteLossError(
+            f"{what}: the model's {shown} hold nan or inf{seen}, so nothing was written (a file saved there before "
+            f"is kept). Check the data and the loss for nan/inf, lower the learning rate or set clip_grad_norm; call "
+            f"engine.check_loss_finite() in your loop (at each epoch's end, say) to stop at the first such step; or set "
+            f"nonfinite_loss = 'skip' in the config to skip such updates (nonfinite_loss = 'ignore' saves regardless)")
 
 
 _NONE = 2**61  # "no non-finite loss" in the ranks' all-reduced minimum

@@ -97,7 +97,8 @@ def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torc
     leaves the previous ``file`` intact. The model may be DDP-wrapped or not: the weights are stored
     without the ``module.`` prefix. ``kwargs`` are stored too and must be tensors or plain values.
     The file is a plain dict, readable with ``torch.load(file, weights_only=True)``. Returns the
-    path on rank 0, ``None`` elsewhere. Not a collective (a script may call it on rank 0 alone); ``load_checkpoint``
+    path on rank 0, ``None`` elsewhere. Under the engine's ``nonfinite_loss='raise'`` (the default) nan/inf
+    weights are refused (``NonFiniteLossError``) and nothing is written. Not a collective (a script may call it on rank 0 alone); ``load_checkpoint``
     waits for every rank, so a file saved and then loaded is read once written.
     """
     _check_extra(kwargs)
@@ -119,7 +120,10 @@ def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torc
             "with SaveCheckpointHook(interval, 'ck.pt'), which gathers the whole state on every rank")
     if not is_rank_0():
         return None
-    return write_checkpoint_file(file, epoch, unwrap_module(model).state_dict(),
+    model_state = unwrap_module(model).state_dict()
+    if engine is not None:
+        engine.loss_guard.check_weights(model_state, f"save_checkpoint({str(file)!r})")
+    return write_checkpoint_file(file, epoch, model_state,
                                  None if optimizer is None else optimizer.state_dict(),
                                  None if lr_scheduler is None else lr_scheduler.state_dict(),
                                  engine_state=None if engine is None else engine_resume_state(engine), **kwargs)

@@ -18,6 +18,7 @@ import colossal_lite
 from colossal_lite.amp import AMP_TYPE
 from colossal_lite.engine.loss_guard import NonFiniteLossError
 from colossal_lite.trainer import Trainer, hooks
+from colossal_lite.utils import save_checkpoint
 
 BAD = 5  # the index of the batch whose input is inf (its loss is nan)
 
@@ -65,6 +66,39 @@ def test_raise_makes_no_host_sync_in_the_step_and_reports_through_check(launched
     assert engine.num_updates == 8  # the nan update went through: 'raise' stops the run, it does not skip
     with pytest.raises(NonFiniteLossError, match=rf"optimizer step {BAD + 1} "):
         engine.check_loss_finite()
+
+
+def test_raise_keeps_the_last_good_file_of_a_legacy_save_checkpoint_in_a_users_own_loop(launched, tmp_path):
+    """An engine loop of its own never reached the guard's check, so ``save_checkpoint`` wrote nan weights over
+    the last good file (found by the docs probe). Saved after each epoch as legacy scripts do: the nan epoch's
+    save is refused, naming this rank's first bad step, and the file keeps the epoch before's finite weights."""
+    engine, loader = build(launched, {}, make_batches(8))
+    path = tmp_path / "ck.pt"
+    for epoch, batches in enumerate((make_batches(8), poisoned())):
+        for x, y in batches:
+            engine.zero_grad()
+            engine.backward(engine.criterion(engine(x), y))
+            engine.step()
+        if epoch == 0:
+            save_checkpoint(path, epoch, engine.model, engine.optimizer)
+            good = path.read_bytes()
+    with pytest.raises(NonFiniteLossError, match=rf"save_checkpoint\('{path}'\): the model's 0.weight, 0.bias, "
+                                                 rf"2.weight and 1 more hold nan or inf; this rank's training loss "
+                                                 rf"was first not finite in optimizer step {8 + BAD + 1}, so nothing"):
+        save_checkpoint(path, 1, engine.model, engine.optimizer)
+    assert path.read_bytes() == good
+    weights = torch.load(path, weights_only=True)["model"]
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_ignore_saves_what_it_trained(launched, tmp_path):
+    engine, loader = build(launched, dict(nonfinite_loss="ignore"), poisoned())
+    for x, y in loader:
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()
+    save_checkpoint(tmp_path / "ck.pt", 0, engine.model, engine.optimizer)
+    assert not all(torch.isfinite(t).all() for t in torch.load(tmp_path / "ck.pt")["model"].values())
 
 
 def test_a_run_with_finite_losses_passes_the_check_and_the_count_continues_after_a_resume(launched):
