@@ -9,6 +9,8 @@ holds the loss scaler. fp16 loss-scaling modes read one flag from the device per
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -168,10 +170,10 @@ class TorchAMPPrecision(FP32Precision):
         return self.scaler.get_scale() if self.scaler is not None else None
 
     def state_dict(self):
-        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+        return {"mode": "torch", "scaler": self.scaler.state_dict()} if self.scaler is not None else {}
 
     def load_state_dict(self, state):
-        if state and self.scaler is not None:
+        if self.scaler is not None and _scaler_state_of_this_mode(state, "torch", "init_scale"):
             self.scaler.load_state_dict(state["scaler"])
 
 
@@ -219,10 +221,46 @@ class DynamicGradScaler:
         self._hysteresis_left = int(state["hysteresis_left"])
 
 
+def _saved_mode(state: Dict) -> Optional[str]:
+    """The fp16 mode ('torch' or 'naive') a precision state was saved under; None for an empty one (fp32, bf16).
+    States saved before the mode was written say it by their keys."""
+    if not state:
+        return None
+    if "mode" in state:
+        return state["mode"]
+    return "naive" if "master_params" in state or "good_steps" in state.get("scaler", {}) else "torch"
+
+
+def _scaler_state_of_this_mode(state: Dict, mode: str, initial_option: str) -> bool:
+    """Whether ``state`` holds this fp16 mode's loss scaler. One saved under the other mode (a run resumed with
+    another ``fp16.mode``) has other fields: it is left, with a warning, and the scale starts from the config's."""
+    saved = _saved_mode(state)
+    if saved is None or saved == mode:
+        return saved is not None
+    if is_rank_0():
+        masters = (" (and the weights are the model's fp16 ones: NAIVE's fp32 masters are not carried over)"
+                   if saved == "naive" else "")
+        warnings.warn(f"the checkpoint's loss scaler was saved under fp16 mode {saved.upper()} and this run uses "
+                      f"{mode.upper()}: its loss scale starts from fp16.{initial_option} in the config{masters}",
+                      stacklevel=4)
+    return False
+
+
 def _cast_floats(obj, dtype):
     """``obj`` with its floating-point tensors (inside lists, tuples and dicts too) cast to ``dtype``."""
     return map_leaves(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
                       and t.dtype != dtype else t, obj)
+
+
+def _load_into_masters(masters: Dict[str, torch.Tensor], module, state_dict, prefix, *_) -> None:
+    """A ``load_state_dict`` pre-hook of a module under naive fp16: the values loaded into its own parameters go
+    into their fp32 masters as well (exactly, when the state holds fp32). A value of another shape is left to the
+    error torch's load raises."""
+    with torch.no_grad():
+        for name, master in masters.items():
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.shape == master.shape:
+                master.copy_(value)
 
 
 class NaiveAMPPrecision(FP32Precision):
@@ -260,6 +298,13 @@ class NaiveAMPPrecision(FP32Precision):
             group["params"] = masters
         device = self._pairs[0][0].device if self._pairs else torch.device("cpu")
         self._found_inf = torch.zeros(1, device=device)
+        # Weights loaded into the model later (a checkpoint's, pretrained ones) must reach the masters too: each
+        # update copies the masters over the model, which would put the weights from before the load back.
+        master_of = {id(p): master for p, master in self._pairs}
+        for module in model.modules():
+            own = {name: master_of[id(p)] for name, p in module.named_parameters(recurse=False) if id(p) in master_of}
+            if own:
+                module.register_load_state_dict_pre_hook(functools.partial(_load_into_masters, own))
         return model, optimizer
 
     def _scale(self, like: torch.Tensor) -> torch.Tensor:
@@ -335,11 +380,12 @@ class NaiveAMPPrecision(FP32Precision):
         return self.scaler.scale
 
     def state_dict(self):
-        return {"scaler": self.scaler.state_dict(), "master_params": [m.detach().clone() for _, m in self._pairs]}
+        return {"mode": "naive", "scaler": self.scaler.state_dict(),
+                "master_params": [m.detach().clone() for _, m in self._pairs]}
 
     def load_state_dict(self, state):
-        if not state:
-            return
+        if not _scaler_state_of_this_mode(state, "naive", "initial_scale"):
+            return  # (the masters came with the model's weights: ``_load_into_masters``)
         self.scaler.load_state_dict(state["scaler"])
         masters = state.get("master_params")
         if masters is not None:
