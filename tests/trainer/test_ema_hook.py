@@ -10,6 +10,9 @@ from dist_helpers import doc_python_blocks, run_python, run_ranks
 from torch import nn
 from torch.utils.data import TensorDataset
 
+import colossal_lite
+from colossal_lite.amp import AMP_TYPE
+from colossal_lite.core import global_context as gpc
 from colossal_lite.engine.engine import Engine
 from colossal_lite.trainer import Trainer
 from colossal_lite.trainer.hooks import BaseHook, EMAHook, LoadCheckpointHook, LossHook, SaveCheckpointHook
@@ -206,3 +209,39 @@ def test_zero_stage_1_averages_as_ddp_and_a_sharded_model_is_refused_on_every_ra
     message = "EMAHook cannot average a model sharded by FSDP2 (zero stage 2 or 3)"
     assert refused.stderr.count(message) >= 2, refused.stderr  # each rank says it (none hangs waiting)
     assert "Use zero=dict(stage=1)" in refused.stderr
+
+
+@pytest.fixture
+def naive_fp16():
+    gpc.destroy()
+    colossal_lite.launch_from_torch(config=dict(fp16=dict(mode=AMP_TYPE.NAIVE, initial_scale=1024.0)), verbose=False)
+    yield
+    gpc.destroy()
+
+
+def test_under_naive_fp16_the_average_is_kept_in_fp32_and_evaluations_leave_it_as_it_was(naive_fp16):
+    """The averaged copy of an fp16 model was fp16 too: ``(1 - decay)``'s steps rounded away and the average hardly
+    moved (found by the mixed-precision probe). It is the fp32 average of the fp16 weights each update left, as a
+    hand-written ``lerp_`` in fp32 gives it, bit for bit, and evaluations on it (which put it in the fp16 model and
+    take it out again) leave it so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    engine, loader, test_loader, _ = colossal_lite.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), nn.CrossEntropyLoss(),
+        get_dataloader(dataset(), batch_size=4), get_dataloader(dataset(12), batch_size=6), verbose=False)
+    hand = {}
+
+    class HandAverage(BaseHook):
+        def after_optimizer_step(self, trainer):
+            if trainer.state.updated:
+                for name, p in engine.unwrapped_model.named_parameters():
+                    w = p.detach().float()
+                    hand[name] = w.clone() if name not in hand else hand[name].lerp_(w, 1 - 0.99)
+
+    ema = EMAHook(decay=0.99)
+    Trainer(engine).fit(loader, epochs=3, test_dataloader=test_loader, hooks=[ema, HandAverage(priority=6)])
+    assert engine.num_updates == 30 and len(hand) == 4
+    for name, p in ema.ema_model.module.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, hand[name]), name
+        assert not torch.equal(p, p.half().float()), name  # more than fp16 holds
+    assert all(p.dtype == torch.float16 for p in engine.unwrapped_model.parameters())  # the model is left as it was
