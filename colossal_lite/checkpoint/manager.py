@@ -35,13 +35,21 @@ from .pointers import is_single_file, read_pointer, resolve_path
 from .policy import BestMetric, apply_retention, check_keep_last_n, move_pointers, pointed_at
 from .ranks import Ranks
 from .reader import load_shared, merge_checkpoint, model_state_from, read_checkpoint
-from .sharded import has_sharded_state, load_sharded, merge_sharded, save_sharded, verify_sharded
+from .sharded import (
+    has_sharded_state,
+    holds_optimizer_state,
+    load_sharded,
+    merge_sharded,
+    save_sharded,
+    verify_sharded,
+)
 from .writer import USE_GPC_CONFIG, begin_write, numbers_from, write_checkpoint
 
 __all__ = [
     "CheckpointManager", "checkpoint_info", "checkpoint_name", "rank_file", "read_meta", "verify_files",
     "remove_leftovers", "is_single_file", "resolve_path", "read_checkpoint", "load_shared", "merge_checkpoint",
-    "model_state_from", "has_sharded_state", "load_sharded", "merge_sharded", "save_sharded", "verify_sharded",
+    "model_state_from", "has_sharded_state", "holds_optimizer_state", "load_sharded", "merge_sharded", "save_sharded",
+    "verify_sharded",
     "FORMAT", "FORMAT_VERSION", "META_FILE", "POINTERS", "SHARDED_DIR", "SHARED_FILE",
 ]
 

@@ -23,6 +23,8 @@ from .layout import SHARDED_DIR, SHARED_FILE, read_meta, verify_files
 from .ranks import Ranks
 from .sharded_read import checking_reader
 
+OPTIMIZER_STATE_PREFIX = "optimizer.state."  # DCP's flattened names of the optimizer's per-parameter state
+
 
 def sharded_share(names: List[str], rank: int, world_size: int) -> List[str]:
     """This rank's share of the sharded files ``names`` (each file is checksummed by one rank)."""
@@ -119,6 +121,24 @@ def _agree_loaded(ranks: Ranks, error: Optional[BaseException], path: PathLike) 
 
 def has_sharded_state(path: PathLike) -> bool:
     return (Path(path) / SHARDED_DIR).is_dir()
+
+
+def holds_optimizer_state(path: PathLike) -> bool:
+    """Whether ``path/sharded`` holds per-parameter optimizer state (``optimizer.state.*``: Adam's step and moments).
+
+    One saved before the optimizer applied its first update holds none (its first steps skipped: an fp16 overflow,
+    ``nonfinite_loss='skip'``). Read from DCP's metadata, checked against ``meta.json``. A collective: every rank
+    reads it, and all raise if one could not."""
+    folder = Path(path) / SHARDED_DIR
+    keys: List[str] = []
+    error: Optional[BaseException] = None
+    try:
+        reader = checking_reader(folder, sharded_sums(read_meta(path)))
+        keys = list(reader.read_metadata().state_dict_metadata)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+        error = e
+    Ranks().agree(error, f"read the sharded state's metadata of {path}", fallback=CheckpointError)
+    return any(key.startswith(OPTIMIZER_STATE_PREFIX) for key in keys)
 
 
 def merge_sharded(path: PathLike) -> Dict[str, Any]:
