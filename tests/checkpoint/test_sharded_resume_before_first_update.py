@@ -4,7 +4,8 @@ with the model and optimizer state of the run that never stopped, bit for bit.
 
 Such a checkpoint holds no per-parameter optimizer state (Adam has none before its first step), while a fresh
 process's state dict has some (torch's ``get_state_dict`` creates it for an optimizer with no gradients): the resume
-failed with DCP's "Missing key in checkpoint state_dict: optimizer.state...". One launch runs both cases.
+failed with DCP's "Missing key in checkpoint state_dict: optimizer.state...". One launch runs both cases, and a
+fine-tuning run from one of the checkpoints (``finetune=True``), whose Adam must count only its own steps.
 """
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import colossal_lite
 from colossal_lite.amp import AMP_TYPE
 from colossal_lite.core import global_context as gpc
 from colossal_lite.trainer import Trainer
-from colossal_lite.trainer.hooks import SaveCheckpointHook
+from colossal_lite.trainer.hooks import LoadCheckpointHook, SaveCheckpointHook
 from colossal_lite.utils import barrier, get_dataloader
 from engine_helpers import make_model
 
@@ -31,7 +32,7 @@ CASES = {{  # the first step of each is skipped, so the checkpoint at step 1 pre
     "stage3_bf16_skip": dict(zero=dict(stage=3), fp16=dict(mode=AMP_TYPE.BF16), nonfinite_loss="skip"),
 }}
 
-def fit(config, steps, save_to=None, resume=None):
+def fit(config, steps, save_to=None, resume=None, finetune=False):
     gpc.load_config(config)
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(48, 6, generator=g), torch.randint(0, 4, (48,), generator=g)
@@ -42,6 +43,9 @@ def fit(config, steps, save_to=None, resume=None):
         model, torch.optim.Adam(model.parameters(), lr=0.01), torch.nn.CrossEntropyLoss(),
         get_dataloader(torch.utils.data.TensorDataset(x, y), batch_size=4), verbose=False)
     hooks = [SaveCheckpointHook(1, save_to, save_by_iter=True)] if save_to else []
+    if finetune:
+        hooks = [LoadCheckpointHook(resume, finetune=True)]
+        resume = None
     Trainer(engine).fit(loader, max_steps=steps, hooks=hooks, resume_from=resume, log_dir=False)
     state = engine.state_dict()  # full tensors on every rank (a collective)
     return {{"model": state["model"], "optimizer": state["optimizer"], "num_updates": engine.num_updates}}
@@ -54,6 +58,9 @@ for name, config in CASES.items():
     barrier()
     resumed = fit(config, 6, resume=ckpt + "/last")
     results[name] = dict(whole=whole, first_updates=first["num_updates"], resumed=resumed)
+# fine-tuning from such a checkpoint's weights: the optimizer starts from nothing, as a fresh run's does
+tuned = fit(dict(zero=dict(stage=2)), 2, resume=f"{{out}}/stage2_fp16_overflow/last", finetune=True)
+results["finetune_steps"] = {{k: float(v["step"]) for k, v in tuned["optimizer"]["state"].items()}}
 torch.save(results, f"{{out}}/rank{{rank}}.pt")
 gpc.destroy()
 '''
@@ -76,6 +83,10 @@ def test_sharded_checkpoint_before_the_first_update_resumes_as_the_run_that_neve
     run_ranks(script, [tmp_path], nproc=2, timeout=240)
     for rank in (0, 1):
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        # torch's whole state dict stepped the fresh optimizer at learning rate 0 to make its state, so a fine-tuning
+        # run's Adam counted one step more than it took
+        steps = results.pop("finetune_steps")
+        assert steps and set(steps.values()) == {2.0}, steps
         assert set(results) == {"stage2_fp16_overflow", "stage3_bf16_skip"}
         for name, result in results.items():
             assert result["first_updates"] == 0, name  # the checkpoint precedes every update

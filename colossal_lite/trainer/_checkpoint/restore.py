@@ -207,9 +207,11 @@ def _load_weights_only(trainer, path: Path, shared: Dict[str, Any], strict: bool
         if not engine.shards_state:
             raise CheckpointError(f"checkpoint {path} holds its model as zero stage 2/3 shards; load it with zero "
                                   f"stage 2/3, or write one file first: colossal-lite ckpt merge {path} merged.pt")
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-        state = {"model": engine.sharded_state_dict()["model"]}
+        # the model's template alone: torch's whole state dict would step this fresh optimizer at learning rate 0
+        # to make its state (Adam's step count one ahead of a fine-tuning run's first update)
+        state = {"model": get_model_state_dict(engine.model)}
         load_sharded(path, state)
         set_model_state_dict(engine.model, state["model"], options=StateDictOptions(strict=strict))
         return
