@@ -31,7 +31,7 @@ from .layout import (
     remove_leftovers,
     verify_files,
 )
-from .pointers import is_single_file, read_pointer, resolve_path
+from .pointers import is_single_file, read_pointer, resolve_path, why_not_followed
 from .policy import BestMetric, apply_retention, check_keep_last_n, move_pointers, pointed_at
 from .ranks import Ranks
 from .reader import load_shared, merge_checkpoint, model_state_from, read_checkpoint
@@ -125,6 +125,9 @@ class CheckpointManager:
             pointer = self.checkpoint_dir / which
             target = read_pointer(pointer)
             if target is None:
+                if pointer.exists():
+                    raise CheckpointNotFoundError(f"no '{which}' checkpoint in {self.checkpoint_dir}: "
+                                                  f"{why_not_followed(pointer)}")
                 raise CheckpointNotFoundError(
                     f"no '{which}' checkpoint in {self.checkpoint_dir}: {pointer} does not exist"
                     + (" (no checkpoint was completed there yet)" if which == "last" else

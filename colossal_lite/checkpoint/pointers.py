@@ -25,6 +25,26 @@ def read_pointer(pointer: Path) -> Optional[str]:
     return text
 
 
+def why_not_followed(pointer: Path) -> str:
+    """Why ``read_pointer`` gives None for ``pointer``, in words that end an error message: missing, unreadable,
+    empty, or naming a path rather than a folder beside it."""
+    try:
+        text = pointer.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return f"{pointer} does not exist"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{pointer} cannot be read as a pointer ({type(e).__name__}: {e})"
+    if not text:
+        return f"{pointer} is empty"
+    # a pointer holds the bare name of a folder beside it; a path ('../x', 'a/b', '.hidden') could lead anywhere,
+    # so it is never followed, even to a folder that exists
+    bare = Path(text.replace("\\", "/")).name
+    example = f" (here {bare!r})" if bare and not bare.startswith(".") else ""
+    return (f"{pointer} names {text!r}, not the bare name of a folder in {pointer.parent} (it holds a '/' or a "
+            f"'\\', or starts with '.'), and such a pointer is never followed: it could lead outside the folder. "
+            f"Write the checkpoint folder's bare name into it{example}, or give the folder's path instead")
+
+
 def write_pointer(pointer: Path, name: str) -> None:
     atomic_write_text(pointer, name + "\n")
 

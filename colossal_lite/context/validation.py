@@ -67,6 +67,63 @@ FOREIGN_KEYS = {
 }
 
 
+_FP16_FLAGS = {"bf16": AMP_TYPE.BF16, "use_fp16": AMP_TYPE.TORCH, "half": AMP_TYPE.TORCH}
+_CLIP_NAMES = ("gradient_clip_val", "max_norm", "clip_norm")
+_DDP_FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
+
+
+def _zero_line(stage) -> Optional[str]:
+    stage = 0 if stage == 0 and not isinstance(stage, bool) else as_positive_int(stage)
+    if stage == 0:
+        return "zero = None"  # stage 0 is no ZeRO: the key left out
+    return f"zero = {py(dict(stage=stage))}" if stage in (1, 2, 3) else None
+
+
+def _foreign_line(key: str, value) -> Optional[str]:
+    """colossal_lite's config line for the foreign name ``key`` set to ``value``, carrying the value over; None when
+    the value does not say what to write (the stock line of ``FOREIGN_KEYS`` is then an example)."""
+    if key in _FP16_FLAGS or key == "fp16_mode":
+        on = as_bool(value)
+        if on is None and key == "fp16_mode":
+            meant = amp_mode_meant(value)
+            return None if meant is None else f"fp16 = {'None' if meant == 'None' else f'dict(mode={meant})'}"
+        if on is None:
+            return None
+        return f"fp16 = {py(dict(mode=_FP16_FLAGS.get(key, AMP_TYPE.TORCH)))}" if on else "fp16 = None"
+    if key == "fp16_opt_level":  # apex's levels: O0 is fp32, O1-O3 mixed precision
+        level = str(value).strip().upper()
+        return {"O0": "fp16 = None"}.get(level, FOREIGN_KEYS[key] if level in ("O1", "O2", "O3") else None)
+    if key == "zero_stage":
+        return _zero_line(value)
+    if key == "zero_optimization":  # DeepSpeed's dict(stage=..., ...): the stage is what carries over
+        return _zero_line(value.get("stage") if isinstance(value, dict) else value)
+    if key in _CLIP_NAMES:
+        norm = as_number(value)
+        return None if norm is None or norm < 0 else f"clip_grad_norm = {py(norm)}"
+    if key == "accum_steps":
+        steps = as_positive_int(value)
+        return None if steps is None else f"gradient_accumulation = {steps}"
+    if key in _DDP_FLAGS:
+        flag = as_bool(value)
+        return None if flag is None else f"torch_ddp = {py({key: flag})}"
+    if key == "bucket_cap_mb":
+        size = as_positive_number(value)
+        return None if size is None else f"torch_ddp = {py(dict(bucket_cap_mb=size))}"
+    if key == "torch_compile":
+        if isinstance(value, dict):
+            return f"compile = {py(value)}"  # (torch.compile's options, which compile = dict(...) takes)
+        flag = as_bool(value)
+        return None if flag is None else f"compile = {flag}"
+    return None
+
+
+def foreign_key_fix(key: str, value) -> str:
+    """What colossal_lite calls the foreign name ``key``'s setting: written with the user's own ``value`` wherever
+    it carries over (``accum_steps = 3`` -> ``gradient_accumulation = 3``), else ``FOREIGN_KEYS``' example."""
+    line = _foreign_line(key, value)
+    return line if line is not None else f"e.g. {FOREIGN_KEYS[key]}"
+
+
 class ForeignConfigKeyWarning(UserWarning):
     """A config name another framework reads as a feature setting, kept as the user's own value. A user whose own
     value it is silences it with ``warnings.filterwarnings('ignore', category=ForeignConfigKeyWarning)``."""
@@ -568,7 +625,7 @@ def validate_config(config: Config) -> List[str]:
         _check_unknown_key(checker, key)
         if key in FOREIGN_KEYS:
             msg = (f"{config._where(key)}: config key '{key}' is not a colossal_lite option (kept as your own value); "
-                   f"colossal_lite's is {FOREIGN_KEYS[key]}. Fix: write that instead, or, if '{key}' is your own "
+                   f"colossal_lite's is {foreign_key_fix(key, value)}. Fix: write that instead, or, if '{key}' is your own "
                    f"value, write it in UPPERCASE or filter ForeignConfigKeyWarning (from colossal_lite.context)")
             # attributed to this line, so Python's default filter shows each message once however often the config
             # is checked (launch_from_torch checks it before launch does)

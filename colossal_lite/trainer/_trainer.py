@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 
 from ..checkpoint.rng import capture_rng_state, restore_rng_state
-from ..core.dist import all_reduce_min_, is_rank_0, log_rank_0
+from ..core.dist import all_reduce_max_, all_reduce_min_, collective_device, is_rank_0, log_rank_0, rank, world_size
 from ..core.global_context import global_context as gpc
 from ..engine.batch import call_with, move_to_device
 from ..engine.step import make_train_step
@@ -157,6 +157,36 @@ def _loader_len(loader) -> Optional[int]:
         return len(loader)
     except TypeError:
         return None
+
+
+def _check_same_epoch_length(iters: Optional[int]) -> None:
+    """Refuse, on every rank, a training loader whose epoch has a different number of batches on some rank.
+
+    Each batch is a round of collectives (the gradients' all-reduce); a rank with a batch more would wait for
+    a partner that never comes (NCCL hangs; gloo aborts on mismatched sizes). One all-reduce at fit's start
+    finds it instead: every rank takes part, a loader without len as -1, so all ranks reach the same verdict.
+    """
+    if world_size() == 1:
+        return
+    mine = -1 if iters is None else int(iters)
+    extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=collective_device())
+    most, fewest = (int(v) for v in all_reduce_max_(extremes).tolist())  # (one read: the max and the -min)
+    fewest = -fewest
+    if most == fewest:
+        return
+
+    def says(n: int) -> str:
+        return "no len()" if n < 0 else f"{n} batches"
+
+    spread = (f"some have no len() and some do (up to {says(most)})" if fewest < 0
+              else f"from {says(fewest)} to {says(most)}")
+    raise ValueError(
+        f"fit(train_dataloader=...): the ranks' training loaders differ in length ({spread}; this rank, rank "
+        f"{rank()}: {says(mine)}). Every rank must run the same number of batches per epoch: the gradients' "
+        f"all-reduce of one rank's extra batch would wait for ranks that have finished (a hang, or a collective "
+        f"mismatch). Shard the data with colossal_lite.utils.get_dataloader(dataset, ...) or a DataLoader over "
+        f"torch's DistributedSampler, which give every rank the same count (they pad the shorter shares, or drop "
+        f"the rest with drop_last=True), or give each rank's loader the same number of batches yourself.")
 
 
 def _epoch_length(loader) -> Optional[int]:
@@ -598,6 +628,7 @@ class Trainer:
                    display_progress: bool, return_output_label: bool) -> "_Run":
         """Check fit's arguments and set the run's shape in ``state``; -> the run's loaders and options."""
         iters = _epoch_length(train_loader)  # None: a loader without len, whose epochs end when its iterator does
+        _check_same_epoch_length(iters)  # (before any rank can raise alone below: all ranks reach this collective)
         if iters == 0:
             raise ValueError("fit(train_dataloader=...) is empty: len(train_dataloader) == 0")
         st = self.state

@@ -269,6 +269,11 @@ def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, ad
     gets its own seed, reproducible from ``seed``. Without ``batch_size`` (or ``batch_sampler``) the
     batch size is the config's ``micro_batch_size`` when it has one, so the config's batch arithmetic
     describes this loader.
+
+    An ``IterableDataset`` has no indices to share out: its ``__iter__`` decides what each rank reads. With one
+    process the loader reads the whole stream; on several ranks ``get_dataloader`` refuses it unless
+    ``add_sampler=False``, which says that the dataset splits itself over the ranks (by
+    ``torch.distributed.get_rank()``), every rank yielding the same number of batches.
     """
     micro = gpc.config.get("micro_batch_size") if gpc.config is not None else None
     if micro is not None and "batch_size" not in kwargs and "batch_sampler" not in kwargs:
@@ -280,6 +285,16 @@ def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, ad
     kwargs.setdefault("worker_init_fn", seed_worker)
     if add_sampler and world_size > 1 and "sampler" in kwargs:
         raise ValueError("get_dataloader(sampler=...) conflicts with add_sampler=True; pass add_sampler=False to use your own")
+    if add_sampler and world_size > 1 and isinstance(dataset, IterableDataset):
+        # a sampler would need indices the stream does not have, and handing every rank the whole stream would
+        # train each sample world_size times: only the dataset's own __iter__ can split it
+        raise ValueError(
+            f"get_dataloader({type(dataset).__name__}(), ...) on {world_size} ranks: an IterableDataset cannot be "
+            f"split over the ranks by a sampler. Split it in its own __iter__ (e.g. every "
+            f"torch.distributed.get_world_size()-th item from torch.distributed.get_rank() on, and by "
+            f"torch.utils.data.get_worker_info() with num_workers > 0), with the same number of batches on every "
+            f"rank, and pass add_sampler=False (or give it to a torch DataLoader); or use a map-style Dataset "
+            f"(__getitem__ and __len__), which get_dataloader shards itself.")
     own_order = "sampler" in kwargs or "batch_sampler" in kwargs or isinstance(dataset, IterableDataset)
     if add_sampler and (world_size > 1 or not own_order):
         sampler = DataParallelSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,

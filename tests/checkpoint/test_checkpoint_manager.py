@@ -64,7 +64,19 @@ def test_resolve_forms_and_messages(tmp_path):
         m.resolve("epoch9-step9")
     (d / "last").write_text("../../etc\n")  # a tampered pointer is never followed outside the folder
     assert m.resolve("auto") == d / "epoch0-step2"  # falls back to the newest complete checkpoint
-    with pytest.raises(CheckpointNotFoundError, match="no 'last' checkpoint"):
+    with pytest.raises(CheckpointNotFoundError, match="no 'last' checkpoint") as refused:
+        m.resolve("last")
+    # the pointer exists: the message says why it is not followed and what to write, not that it is missing
+    assert str(refused.value) == (
+        f"no 'last' checkpoint in {d}: {d / 'last'} names '../../etc', not the bare name of a folder in {d} (it "
+        f"holds a '/' or a '\\', or starts with '.'), and such a pointer is never followed: it could lead outside "
+        f"the folder. Write the checkpoint folder's bare name into it (here 'etc'), or give the folder's path instead")
+    (d / "last").write_text("../ck/epoch0-step2\n")  # even one that leads back to a checkpoint of the folder
+    with pytest.raises(CheckpointNotFoundError, match=r"last names '\.\./ck/epoch0-step2', not the bare name .* "
+                                                      r"\(here 'epoch0-step2'\)"):
+        m.resolve("last")
+    (d / "last").write_text("")
+    with pytest.raises(CheckpointNotFoundError, match=r"no 'last' checkpoint in .*ck: .*last is empty$"):
         m.resolve("last")
 
 

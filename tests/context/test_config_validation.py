@@ -1,4 +1,5 @@
 """Every bad config fails before launch with a message naming the file, the line, the key and the fix."""
+import re
 import textwrap
 import warnings
 from pathlib import Path
@@ -361,13 +362,25 @@ def test_nesting_warning_also_for_lowercase_dicts(tmp_path):
 
 
 @pytest.mark.parametrize("body, key, meant", [
+    # the suggestion carries the user's own value over (it said gradient_accumulation = 4 to accum_steps = 3)
     ("bf16 = True\n", "bf16", "fp16 = dict(mode=AMP_TYPE.BF16)"),
+    ("bf16 = False\n", "bf16", "fp16 = None"),
     ("use_fp16 = True\n", "use_fp16", "fp16 = dict(mode=AMP_TYPE.TORCH)"),
-    ("zero_optimization = dict(stage=2)\n", "zero_optimization", "zero = dict(stage=2)"),
-    ("gradient_clip_val = 1.0\n", "gradient_clip_val", "clip_grad_norm = 1.0"),
-    ("accum_steps = 4\n", "accum_steps", "gradient_accumulation = 4"),
-    ("find_unused_parameters = True\n", "find_unused_parameters", "torch_ddp = dict(find_unused_parameters=True)"),
-    ("torch_compile = True\n", "torch_compile", "compile = True"),
+    ("fp16_mode = 'bf16'\n", "fp16_mode", "fp16 = dict(mode=AMP_TYPE.BF16)"),
+    ("fp16_opt_level = 'O0'\n", "fp16_opt_level", "fp16 = None"),
+    ("zero_optimization = dict(stage=3, offload_optimizer=None)\n", "zero_optimization", "zero = dict(stage=3)"),
+    ("zero_stage = 1\n", "zero_stage", "zero = dict(stage=1)"),
+    ("zero_stage = 0\n", "zero_stage", "zero = None"),
+    ("gradient_clip_val = 0.5\n", "gradient_clip_val", "clip_grad_norm = 0.5"),
+    ("max_norm = 2\n", "max_norm", "clip_grad_norm = 2"),
+    ("accum_steps = 3\n", "accum_steps", "gradient_accumulation = 3"),
+    ("find_unused_parameters = False\n", "find_unused_parameters", "torch_ddp = dict(find_unused_parameters=False)"),
+    ("bucket_cap_mb = 50\n", "bucket_cap_mb", "torch_ddp = dict(bucket_cap_mb=50)"),
+    ("static_graph = True\n", "static_graph", "torch_ddp = dict(static_graph=True)"),
+    ("torch_compile = False\n", "torch_compile", "compile = False"),
+    # a value that says nothing colossal_lite can write: the stock line, as an example
+    ("accum_steps = 2.5\n", "accum_steps", "e.g. gradient_accumulation = 4"),
+    ("zero_stage = 5\n", "zero_stage", "e.g. zero = dict(stage=2)"),
 ])
 def test_another_frameworks_name_for_a_feature_is_kept_with_a_warning(tmp_path, body, key, meant):
     """Such a name switched nothing on without a word; it stays the user's own value (found by the config probe)."""
@@ -379,6 +392,23 @@ def test_another_frameworks_name_for_a_feature_is_kept_with_a_warning(tmp_path, 
         f"{path}:4: config key '{key}' is not a colossal_lite option (kept as your own value); colossal_lite's is "
         f"{meant}. Fix: write that instead, or, if '{key}' is your own value, write it in UPPERCASE or filter "
         f"ForeignConfigKeyWarning (from colossal_lite.context)"]
+
+
+@pytest.mark.parametrize("key, value", [
+    ("bf16", True), ("bf16", False), ("use_fp16", 1), ("half", True), ("fp16_mode", "bf16"), ("fp16_opt_level", "O2"),
+    ("zero_stage", 2), ("zero_stage", 0), ("zero_optimization", dict(stage=3)), ("gradient_clip_val", 0),
+    ("clip_norm", "1.5"), ("accum_steps", "8"), ("gradient_as_bucket_view", True), ("bucket_cap_mb", 12.5),
+    ("torch_compile", True),
+])
+def test_the_foreign_names_suggestion_is_a_config_line_colossal_lite_takes(tmp_path, key, value):
+    """What the warning says to write, with the user's value in it, is itself a valid config."""
+    with pytest.warns(ForeignConfigKeyWarning) as record:
+        load_config({key: value})
+    line = re.search(r"colossal_lite's is (.*)\. Fix:", str(record[0].message)).group(1)
+    assert not line.startswith("e.g."), line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(_write(tmp_path, f"{line}\n"))
 
 
 def test_the_foreign_name_warning_can_be_filtered_and_is_a_user_warning(tmp_path):
