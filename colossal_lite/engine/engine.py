@@ -412,9 +412,11 @@ class Engine:
         """True with ZeRO stage 2/3: model and optimizer state live as shards across ranks."""
         return self.strategy.shards_state
 
-    def sharded_state_dict(self) -> Dict[str, Any]:
-        """Model and optimizer state as this rank's shards (DTensors), for torch.distributed.checkpoint."""
-        return self.strategy.sharded_state_dict(self._model, self._optimizer)
+    def sharded_state_dict(self, as_it_is: bool = False) -> Dict[str, Any]:
+        """Model and optimizer state as this rank's shards (DTensors), for torch.distributed.checkpoint: also the
+        template to load a checkpoint into, so an optimizer without state gets it made, as torch's
+        ``get_state_dict`` does; ``as_it_is=True`` (for a save) reads the optimizer without changing it."""
+        return self.strategy.sharded_state_dict(self._model, self._optimizer, as_it_is=as_it_is)
 
     def load_sharded_state_dict(self, state: Dict[str, Any]):
         self.strategy.load_sharded_state_dict(self._model, self._optimizer, state)

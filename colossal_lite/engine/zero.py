@@ -3,6 +3,7 @@ stages 2 and 3 = FSDP2 (``torch.distributed.fsdp.fully_shard``). No home-made sh
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import inspect
@@ -68,6 +69,24 @@ def _require_unstepped(optimizer: torch.optim.Optimizer, stage: int):
         raise ValueError(f"zero stage {stage}: the optimizer passed to initialize() has already taken a step, so it "
                          f"holds state (e.g. momentum) for the unsharded parameters. Fix: pass an optimizer that has "
                          f"not stepped yet, and load a checkpoint after initialize() to resume")
+
+
+@contextlib.contextmanager
+def _read_as_it_is(optimizer: torch.optim.Optimizer):
+    """Around torch's state-dict reads of ``optimizer``: they make the state of an optimizer that has none and no
+    gradients by stepping it at learning rate 0, which changes what is read (Adam's step count one ahead of the
+    updates applied, and the engine's update count, kept by a step hook). An optimizer that has taken no step is
+    read as it is, its groups and no per-parameter state: one parameter holds a zero gradient for the read, which
+    is what tells torch that the optimizer has been stepped before."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if optimizer.state or not params or any(p.grad is not None for p in params):
+        yield
+        return
+    params[0].grad = torch.zeros_like(params[0])
+    try:
+        yield
+    finally:
+        params[0].grad = None
 
 
 def _group_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[List[str]]:
@@ -231,10 +250,14 @@ class FSDPStrategy(SingleProcess):
         check_model_state(model.state_dict(), state, strict)  # DTensors report their global shapes
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
-    def sharded_state_dict(self, model, optimizer) -> dict:
+    def sharded_state_dict(self, model, optimizer, as_it_is: bool = False) -> dict:
+        """This rank's shards of the model and optimizer state, also the template a checkpoint is loaded into: an
+        optimizer without state gets it made (torch steps it at learning rate 0), for the checkpoint's to fill.
+        ``as_it_is`` (what a save reads): the optimizer is read as it is, never stepped."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(model, optimizer)
+        with _read_as_it_is(optimizer) if as_it_is else contextlib.nullcontext():
+            model_state, optim_state = get_state_dict(model, optimizer)
         return {"model": model_state, "optimizer": optim_state}
 
     def load_sharded_state_dict(self, model, optimizer, state):
@@ -245,7 +268,8 @@ class FSDPStrategy(SingleProcess):
     def optimizer_state_dict(self, model, optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(model, optimizer, options=self._full_options())
+        with _read_as_it_is(optimizer):
+            return get_optimizer_state_dict(model, optimizer, options=self._full_options())
 
     def load_optimizer_state_dict(self, model, optimizer, state):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

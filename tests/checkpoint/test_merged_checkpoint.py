@@ -53,7 +53,7 @@ COMMON = textwrap.dedent("""
         optim = state["optimizer"]  # keyed by parameter name under zero 2/3, by position otherwise
         order = [p for g in optim["param_groups"] for p in g["params"]]
         return dict(model={k: v.tolist() for k, v in state["model"].items()},
-                    optim={str(i): {k: v.tolist() for k, v in optim["state"][p].items()} for i, p in enumerate(order)},
+                    optim={str(i): {k: v.tolist() for k, v in optim["state"].get(p, {}).items()} for i, p in enumerate(order)},
                     lr=[g["lr"] for g in optim["param_groups"]], step=trainer.state.step, epoch=trainer.state.epoch)
 
     class Snapshot(BaseHook):

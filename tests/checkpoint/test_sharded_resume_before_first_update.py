@@ -5,7 +5,8 @@ with the model and optimizer state of the run that never stopped, bit for bit.
 Such a checkpoint holds no per-parameter optimizer state (Adam has none before its first step), while a fresh
 process's state dict has some (torch's ``get_state_dict`` creates it for an optimizer with no gradients): the resume
 failed with DCP's "Missing key in checkpoint state_dict: optimizer.state...". One launch runs both cases, and a
-fine-tuning run from one of the checkpoints (``finetune=True``), whose Adam must count only its own steps.
+fine-tuning run from one of the checkpoints (``finetune=True``), whose Adam must count only its own steps, and a
+run whose state is read before its first update (as a checkpoint at step 0 reads it), which must go on unchanged.
 """
 from pathlib import Path
 
@@ -32,7 +33,7 @@ CASES = {{  # the first step of each is skipped, so the checkpoint at step 1 pre
     "stage3_bf16_skip": dict(zero=dict(stage=3), fp16=dict(mode=AMP_TYPE.BF16), nonfinite_loss="skip"),
 }}
 
-def fit(config, steps, save_to=None, resume=None, finetune=False):
+def fit(config, steps, save_to=None, resume=None, finetune=False, read_first=False):
     gpc.load_config(config)
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(48, 6, generator=g), torch.randint(0, 4, (48,), generator=g)
@@ -42,6 +43,9 @@ def fit(config, steps, save_to=None, resume=None, finetune=False):
     engine, loader, *_ = colossal_lite.initialize(
         model, torch.optim.Adam(model.parameters(), lr=0.01), torch.nn.CrossEntropyLoss(),
         get_dataloader(torch.utils.data.TensorDataset(x, y), batch_size=4), verbose=False)
+    if read_first:  # what a checkpoint reads (sharded, and whole on every rank) before any update
+        engine.sharded_state_dict(as_it_is=True)
+        engine.state_dict()
     hooks = [SaveCheckpointHook(1, save_to, save_by_iter=True)] if save_to else []
     if finetune:
         hooks = [LoadCheckpointHook(resume, finetune=True)]
@@ -61,6 +65,9 @@ for name, config in CASES.items():
 # fine-tuning from such a checkpoint's weights: the optimizer starts from nothing, as a fresh run's does
 tuned = fit(dict(zero=dict(stage=2)), 2, resume=f"{{out}}/stage2_fp16_overflow/last", finetune=True)
 results["finetune_steps"] = {{k: float(v["step"]) for k, v in tuned["optimizer"]["state"].items()}}
+# the optimizer's state read before the first update, as a checkpoint at step 0 reads it: training goes on as if
+# it had not been read
+results["read_first"] = dict(whole=fit(dict(zero=dict(stage=3)), 3), read=fit(dict(zero=dict(stage=3)), 3, read_first=True))
 torch.save(results, f"{{out}}/rank{{rank}}.pt")
 gpc.destroy()
 '''
@@ -87,6 +94,14 @@ def test_sharded_checkpoint_before_the_first_update_resumes_as_the_run_that_neve
         # run's Adam counted one step more than it took
         steps = results.pop("finetune_steps")
         assert steps and set(steps.values()) == {2.0}, steps
+        # and torch's state-dict read stepped an optimizer without state or gradients (Adam's count and the
+        # engine's one ahead: the run went on differently)
+        read = results.pop("read_first")
+        whole, after_read = dict(_leaves(read["whole"])), dict(_leaves(read["read"]))
+        assert whole["num_updates"] == 3 and whole.keys() == after_read.keys(), sorted(whole.keys() ^ after_read.keys())
+        for key, value in whole.items():
+            same = torch.equal(value, after_read[key]) if isinstance(value, torch.Tensor) else value == after_read[key]
+            assert same, (rank, key)
         assert set(results) == {"stage2_fp16_overflow", "stage3_bf16_skip"}
         for name, result in results.items():
             assert result["first_updates"] == 0, name  # the checkpoint precedes every update

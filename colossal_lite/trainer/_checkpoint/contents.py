@@ -114,7 +114,7 @@ def trainer_checkpoint_state(trainer, train_loader=None) -> Tuple[Dict[str, Any]
     rank_state: Dict[str, Any] = {"rng": capture_rng_state(), "data": _loader_state(train_loader),
                                   "metrics": of_rank["metrics"], "trainer": {"hooks": of_rank["hooks"]}, "hooks": {}}
     engine = trainer.engine
-    sharded = engine.sharded_state_dict() if engine.shards_state else None
+    sharded = engine.sharded_state_dict(as_it_is=True) if engine.shards_state else None
     engine_state = engine.state_dict_without_shards() if sharded is not None else engine.state_dict()
     # Inside an accumulation window each rank holds the gradients it gathered alone (micro-batches run under
     # no_sync; they are reduced only at the window's end), so they belong to this rank's file: shared.pt is
