@@ -817,14 +817,26 @@ class Trainer:
         return boundary is not None and bool(boundary())
 
     def _evaluate_after_epoch(self, run: "_Run") -> None:
-        """Evaluate when the epochs completed are a multiple of an ep interval, and at the end of training."""
+        """Evaluate when the epochs completed are a multiple of an ep interval, and at the end of training.
+
+        An evaluation only the end of training asks for puts the random state back afterwards, and runs with
+        ``state.closing_evaluation`` set (hooks that decide training's course leave it out): a longer run resumed
+        from the final checkpoint (taken after it, so that ``best`` sees its values) then computes what the
+        uninterrupted longer run, which makes no evaluation here, computed (a loader's shuffle and worker seeds,
+        MixUp, dropout, an early stop's count)."""
         st = self.state
         if run.test_loader is None or st.last_eval_step == st.step:
             return
         completed = st.epoch + 1
-        last = (st.max_epochs is not None and completed >= st.max_epochs) or st.max_steps_reached or st.stop_training
-        if last or run.interval.is_epoch_boundary(completed):
+        if st.epoch_finished and run.interval.is_epoch_boundary(completed):
             self._eval(run.test_loader, st.epoch, run.display, run.return_output_label)
+        elif (st.max_epochs is not None and completed >= st.max_epochs) or st.max_steps_reached or st.stop_training:
+            rng, st.closing_evaluation = capture_rng_state(), True
+            try:
+                self._eval(run.test_loader, st.epoch, run.display, run.return_output_label)
+            finally:
+                restore_rng_state(rng)
+                st.closing_evaluation = False
 
     # -- evaluate ----------------------------------------------------------------------------------
     def evaluate(self, test_dataloader: Iterable, hooks: Optional[List[BaseHook]] = None, display_progress: bool = False,

@@ -26,8 +26,11 @@ class State:
     and a length in steps), ``max_steps`` (None = no step limit), ``steps_per_epoch`` (optimizer steps per
     epoch), ``iters_per_epoch`` (micro-batches per epoch), ``total_steps`` (optimizer steps the whole run will
     take), ``fitting`` (inside ``fit``; False in ``evaluate`` alone), ``will_test`` (``fit`` got a test loader),
-    ``test_mode`` (``fit(test_mode=True)``'s one step and evaluation run: a hook writes nothing that lasts).
-    A train loader without ``len`` leaves ``steps_per_epoch`` and ``iters_per_epoch`` None, and ``total_steps``
+    ``test_mode`` (``fit(test_mode=True)``'s one step and evaluation run: a hook writes nothing that lasts),
+    ``closing_evaluation`` (an evaluation only the end of training asked for is running: the values are for the
+    record, and a hook that decides training's course, an early stop or an LR plateau, leaves them out, since a
+    longer run resumed from the final checkpoint would otherwise decide on an evaluation its uninterrupted
+    counterpart never made). A train loader without ``len`` leaves ``steps_per_epoch`` and ``iters_per_epoch`` None, and ``total_steps``
     None unless the run's length is in steps; ``epoch_length`` is then the micro-batches of the current epoch
     once its iterator has ended (the loop reads a little ahead, so it is known before the epoch's last step).
 
@@ -56,6 +59,7 @@ class State:
         self.fitting = False  # inside fit (False in evaluate alone)
         self.will_test = False  # fit got a test_dataloader
         self.test_mode = False  # fit(test_mode=True) runs its one step: nothing written that lasts
+        self.closing_evaluation = False  # an evaluation only the end of training asked for: for the record
         self.epoch_start_step = 0  # value of ``step`` when the current epoch began
         self.epoch_length: Optional[int] = None  # a loader without len: the epoch's micro-batches, once known
         self.last_eval_step: Optional[int] = None  # ``step`` at the last evaluation inside fit

@@ -96,7 +96,8 @@ class EarlyStoppingHook(BaseHook):
             self._check(trainer)
 
     def after_test_epoch(self, trainer):
-        if trainer.state.fitting and self._target(trainer)[0] == "test":
+        st = trainer.state
+        if st.fitting and not st.closing_evaluation and self._target(trainer)[0] == "test":
             self._check(trainer)
 
     def state_dict(self) -> Dict[str, Any]:

@@ -771,7 +771,8 @@ class LRSchedulerHook(MetricHook):
             self._step_on_metric(trainer, "train")
 
     def after_test_epoch(self, trainer):
-        if self.monitor is not None and trainer.state.fitting:
+        st = trainer.state
+        if self.monitor is not None and st.fitting and not st.closing_evaluation:
             self._step_on_metric(trainer, "test")
 
 
