@@ -178,15 +178,16 @@ class AccumulationDataLoader:
             yield batch
 
 
-def plan_ahead(window: AccumulationWindow, it: Iterator, start: int = 0) -> Iterator:
+def plan_ahead(window: AccumulationWindow, it: Iterator, start: int = 0, ahead: Optional[deque] = None) -> Iterator:
     """An epoch without ``len``, from micro-batch ``start`` on: ``(where, batch, length)`` for each batch, where
     ``length`` is the epoch's number of micro-batches once the read-ahead has met its end (None before).
 
     Before each micro-batch the rest of its window and one batch more are held, so the window's real size is
     known before its first forward: a window the epoch cuts short divides its losses by its own size, exactly as
-    with a length. Holds at most ``window.size + 1`` batches, as the loader yielded them.
+    with a length. Holds at most ``window.size + 1`` batches, as the loader yielded them: in ``ahead`` when given
+    (the caller reads what is held; batches already in it come first, before ``it``'s).
     """
-    ahead: deque = deque()
+    ahead = deque() if ahead is None else ahead
     index, length = start, None
     while True:
         window_end = index - index % window.size + window.size

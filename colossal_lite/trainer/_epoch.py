@@ -14,7 +14,8 @@ itself (``batch``). The two kinds of loader differ only in where the answers com
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections import deque
+from typing import Iterator, List, Sequence
 
 from ..engine.accumulation import AccumulationWindow, MicroBatch, plan_ahead
 
@@ -48,12 +49,16 @@ class SizedEpoch:
 class UnsizedEpoch:
     """An epoch that ends when ``data_iter`` does; it starts at micro-batch ``state.batch_idx`` (a resumed epoch's
     first batches were read and dropped). The plan comes from ``plan_ahead``, as for the loader ``initialize``
-    returns; ``state.epoch_length`` is set once the read-ahead meets the iterator's end."""
+    returns; ``state.epoch_length`` is set once the read-ahead meets the iterator's end.
 
-    def __init__(self, window: AccumulationWindow, data_iter: Iterator, state):
+    ``read_ahead``: batches an interrupted run had read ahead of ``state.batch_idx`` (``held`` at its checkpoint),
+    trained first, before ``data_iter``'s."""
+
+    def __init__(self, window: AccumulationWindow, data_iter: Iterator, state, read_ahead: Sequence = ()):
         self.window = window
         self.state = state
-        self.plans = plan_ahead(window, data_iter, start=state.batch_idx)
+        self._ahead: deque = deque(read_ahead)
+        self.plans = plan_ahead(window, data_iter, start=state.batch_idx, ahead=self._ahead)
         self.next = None  # (where, batch, length) of the next micro-batch, once read
         state.epoch_length = None
 
@@ -81,3 +86,8 @@ class UnsizedEpoch:
     def batch(self, index: int):
         batch, self.next = self.next[1], None
         return batch
+
+    @property
+    def held(self) -> List:
+        """The batches read but not trained yet, in order (what a checkpoint taken now keeps for the resume)."""
+        return ([self.next[1]] if self.next is not None else []) + list(self._ahead)

@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -22,11 +23,13 @@ import torch
 from ..checkpoint.rng import capture_rng_state, restore_rng_state
 from ..core.dist import all_reduce_max_, all_reduce_min_, collective_device, is_rank_0, log_rank_0, rank, world_size
 from ..core.global_context import global_context as gpc
+from ..engine.accumulation import AccumulationDataLoader
 from ..engine.batch import call_with, move_to_device
 from ..engine.step import make_train_step
 from ..logging import get_dist_logger
 from ..utils.data import DataParallelSampler, batches_per_epoch, skip_batches
 from ..utils.timer import MultiTimer
+from ._checkpoint.epoch_start import NOT_STORED, EpochStart
 from ._checkpoint.epoch_sums import TrainMetricSums
 from ._checkpoint.registry import StateRegistry
 from ._checkpoint.restore import batch_in_resized_epoch
@@ -196,35 +199,48 @@ def _epoch_length(loader) -> Optional[int]:
     return batches_per_epoch(loader)
 
 
-def _iterate_from(loader, iters: Optional[int], skip: int) -> Iterator:
+def _epoch_loader(loader, iters: Optional[int]):
+    """What an epoch iterates: for a loader without len, the loader ``initialize`` wrapped, not the wrapper. The
+    epoch plans its windows by reading ahead itself (``UnsizedEpoch``); the wrapper would read ahead once more,
+    and a checkpoint keeps only the batches the epoch holds."""
+    if iters is None and isinstance(loader, AccumulationDataLoader):
+        return loader.loader
+    return loader
+
+
+def _iterate_from(loader, iters: Optional[int], skip: int, epoch_rng: Optional[Dict[str, Any]] = None,
+                  read: Optional[int] = None) -> Iterator:
     """An iterator over ``loader`` whose first batch is batch ``skip`` of the epoch (``iters`` batches long; None:
-    a loader without len).
+    a loader without len), after ``read`` batches (default ``skip``; more where batches read ahead were kept).
 
     A loader restored with ``load_state_dict`` already starts there; a ``get_dataloader`` loader is moved
-    by its sampler (nothing is loaded); other loaders are read and the first ``skip`` batches dropped (exact
+    by its sampler (nothing is loaded); other loaders are read and the first ``read`` batches dropped (exact
     when the loader yields the same batches each time it is iterated).
 
-    Inside an epoch the random generators are left as they were: what starting the iterator draws (a plain
-    ``DataLoader`` draws its base seed from torch's generator) and what reading the skipped batches draws, the
-    run being resumed drew before its checkpoint, whose generators the resume has put back already.
+    Making the iterator draws from torch's generator (a plain ``DataLoader``'s base seed for its workers, a
+    ``RandomSampler``'s order), and reading the skipped batches advances the workers' streams: the run being
+    resumed did both at the epoch's start. So they are done from ``epoch_rng``, the random state recorded then
+    (when the checkpoint has it), and the random state the resume restored is put back afterwards.
     """
     if skip == 0:
         return iter(loader)
     rng = capture_rng_state()
     try:
-        return _iterator_at(loader, iters, skip)
+        if epoch_rng is not None:
+            restore_rng_state(epoch_rng)
+        return _iterator_at(loader, iters, skip, skip if read is None else read)
     finally:
         restore_rng_state(rng)
 
 
-def _iterator_at(loader, iters: Optional[int], skip: int) -> Iterator:
+def _iterator_at(loader, iters: Optional[int], skip: int, read: int) -> Iterator:
     if iters is not None and _loader_len(loader) == iters - skip:
         return iter(loader)
     if isinstance(getattr(loader, "sampler", None), DataParallelSampler):
         skip_batches(loader, skip)
         return iter(loader)
     data_iter = iter(loader)
-    for done in range(skip):
+    for done in range(read):
         if next(data_iter, _END) is _END:
             raise RuntimeError(f"resuming inside an epoch at batch {skip}, but the train_dataloader ended after "
                                f"{done} batches: resume on the loader the checkpoint was taken with, which must yield "
@@ -377,6 +393,7 @@ class Trainer:
         self.history = History()  # every fit's recorded metric values (docs/metrics.md)
         self._recorder: Optional[Recorder] = None  # records the running fit's values into the history
         self._metric_sums = TrainMetricSums(lambda: self.states["metrics"]["train"])
+        self._epoch_start = EpochStart(self.state)  # the random state and read-ahead a resume inside an epoch needs
         self._cut: Optional[_CutEpoch] = None  # the epoch the last fit cut short, for the next fit to continue
         self.state_registry = self._registry()
 
@@ -389,15 +406,18 @@ class Trainer:
             registry.section(name, keyed)
         registry.section("hooks", keyed=True, rank=True)
         registry.section("metrics", keyed=False, rank=True)
+        registry.section("epoch", keyed=False, rank=True)
         registry.add("progress", None, self.state, load=self._load_progress)
         registry.add("history", None, self.history)
         registry.add("metrics", None, self._metric_sums, rank=True)
+        registry.add("epoch", None, self._epoch_start, rank=True)
         return registry
 
     def _load_progress(self, progress: Dict[str, Any]) -> None:
         self.state.load_state_dict(progress)
         self._step_from_epoch = False
         self._cut = None  # the run stands where the restored state says, with its own history and sums
+        self._epoch_start.forget()  # (a checkpoint's restore then loads its own)
 
     # -- legacy properties -----------------------------------------------------------------------
     @property
@@ -420,6 +440,7 @@ class Trainer:
         self.state.batch_idx = 0
         self._step_from_epoch = True  # fit sets cur_step = cur_epoch * steps_per_epoch
         self._cut = None  # an epoch cut short is not continued: the next fit starts epoch ``epoch`` afresh
+        self._epoch_start.forget()
 
     @property
     def cur_step(self) -> int:
@@ -688,6 +709,7 @@ class Trainer:
         st = self.state
         self._cut = _CutEpoch((st.epoch, st.batch_idx, st.step), st.iters_per_epoch, self._metric_sums.state_dict(),
                               len(self.history))
+        self._epoch_start.note_cut()
 
     def _continue_cut_epoch(self) -> None:
         """When the run stands where the last fit cut an epoch short, this fit continues that epoch as a run
@@ -745,7 +767,21 @@ class Trainer:
         st.phase = "train"
         _set_sampler_epoch(run.train_loader, epoch)
         skip = st.batch_idx  # resuming inside the epoch: start after the batches already trained on
-        data_iter = _iterate_from(run.train_loader, st.iters_per_epoch, skip)
+        loader = _epoch_loader(run.train_loader, st.iters_per_epoch)
+        read_ahead: Optional[list] = None
+        if skip == 0:
+            self._epoch_start.begin(epoch)
+            data_iter = iter(loader)
+        else:
+            epoch_rng, read_ahead = self._epoch_start.take(epoch, skip)
+            if read_ahead is NOT_STORED:
+                read_ahead = None
+                if is_rank_0():
+                    warnings.warn(f"the batches read ahead of training at this point of epoch {epoch} were not kept in the "
+                                  f"checkpoint (they are not tensors and plain values): they are read again, and "
+                                  f"random draws made while reading them (a data augmentation in the main process) "
+                                  f"differ from the uninterrupted run's from here on", stacklevel=3)
+            data_iter = _iterate_from(loader, st.iters_per_epoch, skip, epoch_rng, skip + len(read_ahead or ()))
         engine.window.continue_at(skip)
         st.epoch_start_step = st.step - skip // engine.window.size
         total = None if st.iters_per_epoch is None else st.iters_per_epoch - skip  # (no len: count and rate only)
@@ -754,7 +790,7 @@ class Trainer:
         self._metric_sums.continue_epoch(skip)
         timer.start("Train-epoch")
         boundary = checkpoints.at_step_boundary if checkpoints is not None and checkpoints.active else None
-        preempted = self._train_loop(run, data_iter, progress, boundary)
+        preempted = self._train_loop(run, data_iter, progress, boundary, read_ahead=read_ahead or ())
         timer.stop("Train-epoch", keep_in_history=True)
         progress.close(st.batch_idx - skip)
         if st.stop_training and st.batch_idx == skip:
@@ -769,14 +805,25 @@ class Trainer:
         timer.reset("Train-epoch")
         return True
 
-    def _train_loop(self, run: "_Run", data_iter: Iterator, progress, boundary=None, until_step: bool = False) -> bool:
+    def _train_loop(self, run: "_Run", data_iter: Iterator, progress, boundary=None, until_step: bool = False,
+                    read_ahead: Sequence = ()) -> bool:
         """The epoch's micro-batches from ``state.batch_idx`` on, one training step each, with the iteration's
         events around it. Returns True when a checkpoint ``boundary`` asked to stop (preemption).
-        ``until_step``: stop after the first optimizer step (test mode)."""
+        ``until_step``: stop after the first optimizer step (test mode). ``read_ahead``: a loader without len, the
+        batches the interrupted run had read ahead of ``state.batch_idx``, trained before ``data_iter``'s."""
+        st, engine = self.state, self._engine
+        epoch = SizedEpoch(engine.window, data_iter, st.iters_per_epoch) if st.iters_per_epoch is not None \
+            else UnsizedEpoch(engine.window, data_iter, st, read_ahead)
+        self._epoch_start.running(epoch)
+        try:
+            return self._train_batches(run, epoch, progress, boundary, until_step)
+        finally:
+            self._epoch_start.loop_ended()
+
+    def _train_batches(self, run: "_Run", epoch, progress, boundary, until_step: bool) -> bool:
+        """``_train_loop``'s loop over ``epoch``'s batches."""
         st, engine, h, timer = self.state, self._engine, self._h, self._run_timer
         max_steps = st.max_steps if st.max_steps is not None else math.inf
-        epoch = SizedEpoch(engine.window, data_iter, st.iters_per_epoch) if st.iters_per_epoch is not None \
-            else UnsizedEpoch(engine.window, data_iter, st)
         while not st.stop_training and epoch.has(st.batch_idx):  # (a stop asked in before_train_epoch: none runs)
             for fn in h.before_train_iter:
                 fn(self)

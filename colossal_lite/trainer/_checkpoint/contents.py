@@ -112,7 +112,8 @@ def trainer_checkpoint_state(trainer, train_loader=None) -> Tuple[Dict[str, Any]
     of_rank = trainer.state_registry.state(rank=True)
     hooks = _shared_hook_states(trainer, parts.pop("hooks"))
     rank_state: Dict[str, Any] = {"rng": capture_rng_state(), "data": _loader_state(train_loader),
-                                  "metrics": of_rank["metrics"], "trainer": {"hooks": of_rank["hooks"]}, "hooks": {}}
+                                  "metrics": of_rank["metrics"], "epoch": of_rank["epoch"],
+                                  "trainer": {"hooks": of_rank["hooks"]}, "hooks": {}}
     engine = trainer.engine
     sharded = engine.sharded_state_dict(as_it_is=True) if engine.shards_state else None
     engine_state = engine.state_dict_without_shards() if sharded is not None else engine.state_dict()

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ...checkpoint import CheckpointManager
-from ...core.dist import all_reduce_max_, collective_device, log_rank_0, world_size
+from ...core.dist import all_reduce_max_, collective_device, is_rank_0, log_rank_0, world_size
 from ...launch import preemption_exit_note, under_torchrun
 from .preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, exit_hard_at_interpreter_exit, signal_name
 from .restore import load_trainer_checkpoint
@@ -83,6 +83,15 @@ class CheckpointSession:
         st = trainer.state
         log_rank_0(trainer.logger, f"resumed from {path}: epoch {st.epoch}, step {st.step}, "
                                    f"batch {st.batch_idx} of the epoch")
+        if getattr(self.train_loader, "persistent_workers", False) and getattr(self.train_loader, "num_workers", 0) \
+                and is_rank_0():
+            # Persistent workers are seeded once, when the loader's first iterator is made, and carry their random
+            # streams from epoch to epoch: no fresh process can make them stand where the interrupted run's stood.
+            warnings.warn(f"resumed from {path} on a DataLoader with persistent_workers=True: its workers start new "
+                          f"random streams, so random draws in the workers (a data augmentation) differ from the "
+                          f"uninterrupted run's for the rest of the run; the model, optimizer, data order and the "
+                          f"main process's random state are restored. For an exact resume use "
+                          f"persistent_workers=False", stacklevel=3)
         return path
 
     def nothing_to_do(self) -> bool:
