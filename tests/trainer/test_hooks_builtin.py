@@ -25,6 +25,7 @@ from colossal_lite.trainer.hooks import (
     LossMetric,
     LRSchedulerHook,
     MixUp,
+    SaveCheckpointHook,
     TensorboardHook,
     ThroughputHook,
 )
@@ -336,6 +337,28 @@ def test_tensorboard_hook_writes_nothing_in_test_mode(tmp_path):
     assert [e.step for e in acc.Scalars("Loss/train")] == [1, 2, 3]
     assert [e.step for e in acc.Scalars("Loss/test")] == [3]
     assert not trainer.state.test_mode
+
+
+def test_tensorboard_hook_after_a_crash_and_resume_has_one_point_per_step(tmp_path):
+    """A run resumed from a checkpoint older than the crashed run's last points wrote those steps again, beside the
+    crashed run's (two points at a step; found by the outputs probe): the resumed run hides them, as
+    TensorBoardTracker does."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def fit(**kwargs):
+        engine, _ = make_engine(make_model())
+        hook = TensorboardHook(str(tmp_path / "tb"))
+        Trainer(engine).fit(make_batches(3), epochs=2, test_dataloader=make_batches(2),
+                            hooks=[LossHook(), hook, SaveCheckpointHook(1, str(tmp_path / "ck"))], **kwargs)
+        hook.close()
+
+    fit()
+    (tmp_path / "ck" / "last").write_text("epoch0-step3\n")  # the crash came before epoch 1's checkpoint
+    fit(resume_from="last")
+    acc = EventAccumulator(str(tmp_path / "tb" / "global_rank_0"), purge_orphaned_data=True)
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("Loss/train")] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in acc.Scalars("Loss/test")] == [3, 6]
 
 
 def test_tensorboard_hook_writes_readable_scalars(tmp_path):

@@ -107,12 +107,18 @@ class TensorboardHook(BaseHook):
 
     @property
     def writer(self):
-        """The ``SummaryWriter`` of this rank (None before the hook is attached, on a rank that does not write)."""
+        """The ``SummaryWriter`` of this rank (None before the run starts, on a rank that does not write)."""
         return self._tracker.writer
 
-    def after_hook_is_attached(self, trainer):
+    def _open(self, trainer) -> None:
+        """Open the event file once the run stands where it starts: a run resumed from a checkpoint hides the points
+        a crashed run wrote after it (``purge_step``), as ``TensorBoardTracker`` does, so each step has one point."""
         if self._is_valid_rank_to_log and self.writer is None:
-            self._tracker.open(Path(self.log_dir))
+            step = trainer.state.step
+            self._tracker.open(Path(self.log_dir), purge_step=step + 1 if step else None)
+
+    def before_train(self, trainer):
+        self._open(trainer)  # (after a resume's restore)
 
     def _flush_pending(self) -> None:
         for name, series in self._series.items():
@@ -142,6 +148,7 @@ class TensorboardHook(BaseHook):
                   for name, metric in trainer.states["metrics"][phase].items()
                   if metric.epoch_only or not only_epoch_only]
         if self._is_valid_rank_to_log:
+            self._open(trainer)  # (trainer.evaluate alone has no before_train)
             self._flush_pending()
             self._tracker.log_metrics({f"{name}/{phase}": value for name, value in values}, trainer.state.step)
             self._tracker.flush()
