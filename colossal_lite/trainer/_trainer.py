@@ -415,9 +415,22 @@ class Trainer:
 
     def _load_progress(self, progress: Dict[str, Any]) -> None:
         self.state.load_state_dict(progress)
+        self._count_run_steps_from_here()
         self._step_from_epoch = False
         self._cut = None  # the run stands where the restored state says, with its own history and sums
         self._epoch_start.forget()  # (a checkpoint's restore then loads its own)
+
+    def _count_run_steps_from_here(self) -> None:
+        """The run's optimizer steps, counted from where a restore put it: those taken so far and those left of this
+        fit's epochs. A run resumed with another number of ranks or batch size took another number of steps per epoch
+        before, so ``max_epochs * steps_per_epoch`` would miscount them (the ETA, a schedule's length check)."""
+        st = self.state
+        if not st.fitting or st.steps_per_epoch is None or st.max_epochs is None:
+            return
+        left = st.steps_per_epoch - st.batch_idx // self._engine.window.size \
+            + (st.max_epochs - st.epoch - 1) * st.steps_per_epoch
+        total = st.step + max(left, 0)
+        st.total_steps = max(1, total if st.max_steps is None else min(total, st.max_steps))
 
     # -- legacy properties -----------------------------------------------------------------------
     @property
@@ -628,6 +641,8 @@ class Trainer:
             self._attach(hooks, "training", recorder, step)
             checkpoints = self._checkpoints = CheckpointSession(self, train_dataloader, saving=not test_mode)
             checkpoints.resume(resume_from)
+            if run.interval.total_steps != self.state.total_steps:  # (a resume counted the run's steps anew)
+                run.interval.bind(self.state.steps_per_epoch, self.state.total_steps)
             if test_mode:
                 self._test_mode(run)
                 return self.history

@@ -244,6 +244,9 @@ def test_a_mid_epoch_checkpoint_resumed_with_another_batch_size_goes_on_past_the
     assert [p.name for p in saved(tmp_path / "ck")] == [end.name, mid.name]
     trainer, data = run(2, tmp_path / "halves", resume=mid)  # after batch 10 of 22: the same 20 samples
     assert data.loaded == 44 - 20 and trainer.cur_step == 16 + 12 and trainer.cur_epoch == 2
+    # the run's length, which the ETA and a schedule's length check read, counts the steps epoch 0 took in batches
+    # of 4 (it took 2 epochs of 22 batches of 2 instead: found by the outputs probe)
+    assert trainer.state.total_steps == trainer.cur_step
     with pytest.raises(CheckpointError) as err:
         run(8, tmp_path / "other", resume=mid)  # 6 batches an epoch: none covers 20 samples
     assert str(err.value) == (
@@ -253,4 +256,4 @@ def test_a_mid_epoch_checkpoint_resumed_with_another_batch_size_goes_on_past_the
         f"the checkpoint was taken with, or from a checkpoint taken at an epoch's end")
     assert not (tmp_path / "other").exists() or not saved(tmp_path / "other")  # refused before any step
     trainer, _ = run(8, tmp_path / "other2", resume=end)  # the epoch's end: the next one starts afresh
-    assert trainer.cur_step == 11 + 6 and trainer.cur_epoch == 2
+    assert trainer.cur_step == 11 + 6 and trainer.cur_epoch == 2 and trainer.state.total_steps == 17
