@@ -9,8 +9,9 @@ KEYS = ("micro_batch_size", "global_batch_size", "gradient_accumulation")
 def resolve_batch_sizes(config: Config, world_size: int) -> Config:
     """Fill in the missing one of micro_batch_size / global_batch_size / gradient_accumulation.
 
-    Inconsistent values raise ``ConfigException`` showing the arithmetic. With
-    ``gradient_accumulation='auto'`` only micro and global sizes are checked against each other.
+    Inconsistent values raise ``ConfigException`` showing the arithmetic. With ``gradient_accumulation='auto'``
+    the split of a batch is found at run time, so the sizes are not checked against each other (the launch summary
+    lists them).
     """
     micro = config.get("micro_batch_size")
     glob = config.get("global_batch_size")
@@ -20,9 +21,14 @@ def resolve_batch_sizes(config: Config, world_size: int) -> Config:
         return config
     if glob is not None and micro is None:
         if accum is None or auto:
+            # a micro size that gives the global one exactly, or the nearest global sizes that one does
+            fix = (f"add micro_batch_size = {glob // world_size} (for data-parallel size {world_size})"
+                   if glob % world_size == 0 else
+                   f"global_batch_size {glob} is not a multiple of data-parallel size {world_size}: use e.g. "
+                   f"global_batch_size = {max(world_size, glob - glob % world_size)} with micro_batch_size = "
+                   f"{max(1, glob // world_size)}")
             raise ConfigException(f"{config._where('global_batch_size')}: config key 'global_batch_size' = {glob} needs "
-                                  f"micro_batch_size or gradient_accumulation to fix the other factors. Fix: add "
-                                  f"micro_batch_size = {max(1, glob // world_size)} (for data-parallel size {world_size})")
+                                  f"micro_batch_size or gradient_accumulation to fix the other factors. Fix: {fix}")
         per = world_size * accum
         if glob % per:
             raise ConfigException(

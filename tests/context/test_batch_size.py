@@ -27,7 +27,12 @@ def test_any_two_give_the_third(given, world, expected):
      "micro_batch_size 8 x data-parallel size 2 x gradient_accumulation 2 = 32, not 64"),
     (dict(global_batch_size=60, micro_batch_size=8), 2, "60 is not divisible by micro_batch_size 8 x data-parallel size 2 = 16"),
     (dict(global_batch_size=63, gradient_accumulation=4), 2, "63 is not divisible by data-parallel size 2 x gradient_accumulation 4 = 8"),
-    (dict(global_batch_size=64), 2, "needs micro_batch_size or gradient_accumulation"),
+    (dict(global_batch_size=64), 2, "needs micro_batch_size or gradient_accumulation to fix the other factors. Fix: "
+                                    "add micro_batch_size = 32 (for data-parallel size 2)"),
+    # the fix itself must work: 21 x 3 is 63, not 64 (it suggested micro_batch_size = 21; found by a probe)
+    (dict(global_batch_size=64), 3, "Fix: global_batch_size 64 is not a multiple of data-parallel size 3: use e.g. "
+                                    "global_batch_size = 63 with micro_batch_size = 21"),
+    (dict(global_batch_size=1), 2, "use e.g. global_batch_size = 2 with micro_batch_size = 1"),
 ])
 def test_inconsistent_values_show_the_arithmetic(given, world, needle):
     with pytest.raises(ConfigException) as e:

@@ -5,6 +5,7 @@ import torch
 from torch.optim import lr_scheduler as torch_sched
 
 from colossal_lite.nn.lr_scheduler import MultiStepLR, MultiStepWarmupLR
+from colossal_lite.trainer.hooks import LRSchedulerHook
 
 
 def optimizer():
@@ -50,3 +51,20 @@ def test_epoch_milestones_need_steps_per_epoch():
         MultiStepLR(optimizer(), total_steps=None, milestones=["0.5dur"])
     with pytest.raises(TypeError, match="milestones entry must be an integer"):  # ints keep their old checks
         MultiStepLR(optimizer(), total_steps=20, milestones=[2, 1.5])
+
+
+@pytest.mark.parametrize("make", [
+    lambda opt: MultiStepLR(opt, 24, milestones=["2ep", "4ep"], steps_per_epoch=4),
+    lambda opt: MultiStepWarmupLR(opt, 24, warmup_steps=2, milestones=["0.5dur"]),
+])
+def test_time_milestones_stepped_once_per_epoch_are_refused(make):
+    """Resolved to optimizer steps ('2ep' of 4 steps: step 8), then stepped once per epoch by
+    ``LRSchedulerHook(by_epoch=True)``, they were counted as epochs: the LR never decayed in a 6-epoch run, without a
+    word (found by the Composer-features probe)."""
+    sched = make(optimizer())
+    with pytest.raises(ValueError, match=r"LRSchedulerHook\(by_epoch=True\) steps MultiStep(Warmup)?LR once per epoch, "
+                                         r"but its milestones \[.*\] were resolved to optimizer steps.* Fix: pass "
+                                         r"by_epoch=False, or give the milestones as epoch numbers"):
+        LRSchedulerHook(sched, by_epoch=True)
+    LRSchedulerHook(sched, by_epoch=False)  # what the milestones mean
+    LRSchedulerHook(MultiStepLR(optimizer(), 6, milestones=[2, 4]), by_epoch=True)  # ints: as the hook counts

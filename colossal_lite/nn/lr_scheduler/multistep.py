@@ -40,6 +40,12 @@ def _resolve_milestone(m, total_steps, steps_per_epoch: Optional[int]) -> int:
     return max(steps, 1) if time.unit is TimeUnit.DURATION else steps
 
 
+def time_string_milestones(milestones) -> List[str]:
+    """The milestones given as time strings (or ``Time``), as written: they were resolved to optimizer steps, so a
+    scheduler stepped once per epoch would read them as epochs (``LRSchedulerHook`` refuses that)."""
+    return [str(m) for m in (milestones or ()) if isinstance(m, (str, Time))]
+
+
 def _check_milestones(milestones, total_steps=None, steps_per_epoch: Optional[int] = None) -> List[int]:
     """The milestones as optimizer steps: ints as given, time strings resolved against the run's length."""
     if milestones is None:
@@ -61,10 +67,12 @@ class MultiStepLR(ExactResumeMixin, _torch_sched.MultiStepLR):
                  gamma: float = 0.1, last_epoch: int = -1, steps_per_epoch: Optional[int] = None, **kwargs):
         warn_unused("MultiStepLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
+        written = time_string_milestones(milestones)
         milestones = _check_milestones(milestones, total_steps, steps_per_epoch)
         gamma = check_number("gamma", gamma, minimum=0)
         super().__init__(optimizer, milestones=milestones, gamma=gamma, last_epoch=check_last_epoch(last_epoch))
         self.total_steps = total_steps
+        self.milestones_in_steps = written  # (time strings, now optimizer steps in ``milestones``)
 
 
 class MultiStepWarmupLR(WarmupScheduler):
@@ -78,6 +86,7 @@ class MultiStepWarmupLR(WarmupScheduler):
         optimizer = unwrap_optimizer(optimizer)
         total_steps = check_total_steps(total_steps)
         warmup_steps = check_warmup_steps(warmup_steps, total_steps, "MultiStepWarmupLR")
+        written = time_string_milestones(milestones)
         milestones = _check_milestones(milestones, total_steps, steps_per_epoch)
         if not milestones:
             raise ValueError("milestones cannot be empty")
@@ -85,4 +94,5 @@ class MultiStepWarmupLR(WarmupScheduler):
         shifted = [m - warmup_steps for m in milestones if m >= warmup_steps]
         after = MultiStepLR(optimizer, max(total_steps - warmup_steps, 1), milestones=shifted, gamma=gamma)
         self.total_steps = total_steps
+        self.milestones_in_steps = written
         super().__init__(optimizer, warmup_steps, after, last_epoch)
