@@ -9,8 +9,8 @@ holds the loss scaler. fp16 loss-scaling modes read one flag from the device per
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -252,15 +252,29 @@ def _cast_floats(obj, dtype):
                       and t.dtype != dtype else t, obj)
 
 
-def _load_into_masters(masters: Dict[str, torch.Tensor], module, state_dict, prefix, *_) -> None:
+class _LoadIntoMasters:
     """A ``load_state_dict`` pre-hook of a module under naive fp16: the values loaded into its own parameters go
     into their fp32 masters as well (exactly, when the state holds fp32). A value of another shape is left to the
-    error torch's load raises."""
-    with torch.no_grad():
-        for name, master in masters.items():
-            value = state_dict.get(prefix + name)
-            if isinstance(value, torch.Tensor) and value.shape == master.shape:
-                master.copy_(value)
+    error torch's load raises.
+
+    A deep copy of the model (EMA's average) gets this same hook, not a copy of the masters it holds: called for
+    the copy, which is another module, it does nothing."""
+
+    def __init__(self, module: nn.Module, masters: Dict[str, torch.Tensor]):
+        self.module = weakref.ref(module)
+        self.masters = masters
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, module, state_dict, prefix, *_) -> None:
+        if module is not self.module():
+            return
+        with torch.no_grad():
+            for name, master in self.masters.items():
+                value = state_dict.get(prefix + name)
+                if isinstance(value, torch.Tensor) and value.shape == master.shape:
+                    master.copy_(value)
 
 
 class NaiveAMPPrecision(FP32Precision):
@@ -304,7 +318,7 @@ class NaiveAMPPrecision(FP32Precision):
         for module in model.modules():
             own = {name: master_of[id(p)] for name, p in module.named_parameters(recurse=False) if id(p) in master_of}
             if own:
-                module.register_load_state_dict_pre_hook(functools.partial(_load_into_masters, own))
+                module.register_load_state_dict_pre_hook(_LoadIntoMasters(module, own))
         return model, optimizer
 
     def _scale(self, like: torch.Tensor) -> torch.Tensor:
@@ -385,7 +399,7 @@ class NaiveAMPPrecision(FP32Precision):
 
     def load_state_dict(self, state):
         if not _scaler_state_of_this_mode(state, "naive", "initial_scale"):
-            return  # (the masters came with the model's weights: ``_load_into_masters``)
+            return  # (the masters came with the model's weights: ``_LoadIntoMasters``)
         self.scaler.load_state_dict(state["scaler"])
         masters = state.get("master_params")
         if masters is not None:

@@ -3,6 +3,8 @@ weights loaded into the model after ``initialize`` (pretrained ones, a weights-o
 run under another precision) must reach the masters too. They did not: the next update put the initialisation
 back, silently (found by the mixed-precision probe). And a checkpoint of a TORCH-fp16 run resumed under NAIVE
 (or back) failed with a bare ``KeyError`` on the other mode's loss-scaler fields."""
+import copy
+
 import pytest
 import torch
 from engine_helpers import make_batches, make_model
@@ -79,3 +81,18 @@ def test_the_legacy_file_of_a_naive_run_still_brings_its_masters_back(launched, 
     load_checkpoint(tmp_path / "ck.pt", engine.model, engine.optimizer)
     assert all(torch.equal(m, s) for m, s in zip(masters(engine), saved))
     assert not all(torch.equal(m, m.half().float()) for m in saved)  # the masters hold more than fp16 can
+
+
+def test_a_deep_copy_of_the_model_neither_shares_nor_copies_the_masters(launched):
+    """EMA's average is a deep copy of the model: a load into the copy must leave the training run's masters alone,
+    and the copy must not carry a copy of them (an fp32 model's worth of memory for nothing)."""
+    engine, _ = naive_engine(launched)
+    before = [m.clone() for m in masters(engine)]
+    copy_ = copy.deepcopy(engine.unwrapped_model)
+    copy_.load_state_dict(make_model(seed=0).state_dict())
+    assert all(torch.equal(m, b) for m, b in zip(masters(engine), before))
+    # (torch keeps each pre-hook in a wrapper of its own, which the copy copies; the hook inside is what holds them)
+    def pre_hooks(model):
+        return [getattr(h, "hook", h) for module in model.modules() for h in module._load_state_dict_pre_hooks.values()]
+
+    assert pre_hooks(copy_) and [id(h) for h in pre_hooks(copy_)] == [id(h) for h in pre_hooks(engine.unwrapped_model)]
