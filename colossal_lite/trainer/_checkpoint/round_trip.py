@@ -10,6 +10,7 @@ import torch
 
 from ...checkpoint import CheckpointManager, checkpoint_name, to_plain
 from ...checkpoint.io import format_bytes
+from ...checkpoint.manager import load_sharded
 from ...core.dist import (
     all_agree,
     barrier,
@@ -41,6 +42,11 @@ def _same(a, b) -> bool:
     return nesting(a) == nesting(b) and all(_same_leaf(x, y) for x, y in zip(iter_leaves(a), iter_leaves(b)))
 
 
+def _local_shards(state):
+    """``state`` with each DTensor as this rank's shard (a plain tensor), the rest as it is."""
+    return map_leaves(lambda t: t.to_local() if hasattr(t, "to_local") else t, state)
+
+
 def _write_and_compare(trainer, folder: Path, train_loader):
     """``(ok, why, size)``: this rank's verdict on a save to ``folder`` read back (``size`` on rank 0)."""
     manager = CheckpointManager(folder, cleanup=False)
@@ -48,6 +54,12 @@ def _write_and_compare(trainer, folder: Path, train_loader):
     path = manager.save(checkpoint_name(name_epoch(trainer), trainer.state.step), shared, rank_state, {},
                         sharded_state=sharded, config=None)
     loaded_shared, loaded_rank = manager.load(path)
+    if sharded is not None:  # (a collective: every rank reads its shards, before any rank's verdict below)
+        read = map_leaves(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, sharded)
+        load_sharded(path, read)  # into copies: the run itself is not changed
+        live = trainer.engine.sharded_state_dict(as_it_is=True)  # what the run holds now, not only what was written
+        if not _same(_local_shards(live), _local_shards(read)):
+            return False, f"rank {rank()}'s model and optimizer shards read back differ from the run's", 0
     size = 0
     if is_rank_0():
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
