@@ -21,7 +21,7 @@ from .context.validation import FEATURE_KEYS, ForeignConfigKeyWarning, validate_
 from .core.global_context import global_context as gpc
 from .engine.accumulation import AccumulationDataLoader, AccumulationWindow
 from .engine.auto_batch import AutoMicroBatcher
-from .engine.engine import Engine, EngineLRScheduler
+from .engine.engine import Engine, EngineLRScheduler, torch_optimizer
 from .engine.gradient_handler import DataParallelGradientHandler
 from .engine.loss_guard import build_loss_guard
 from .engine.reduction import build_reduction
@@ -177,6 +177,7 @@ def _build_model(model) -> nn.Module:
 
 
 def _build_optimizer(optimizer, model: nn.Module) -> torch.optim.Optimizer:
+    optimizer = torch_optimizer(optimizer, "initialize(optimizer=...)")
     if isinstance(optimizer, torch.optim.Optimizer):
         model_params = {id(p) for p in model.parameters()}
         foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in model_params]

@@ -111,6 +111,16 @@ class NaiveAMPOptimizer(AMPOptimizer):
     def grad_scaler(self):
         return self.precision.scaler
 
+    def step(self, *args, **kwargs):
+        """As ``AMPOptimizer.step``; returns ``(True, grad_norm)`` when the update was applied and ``(False, None)``
+        when an overflow skipped it, as legacy's ``FP16Optimizer.step`` did (``grad_norm``: the norm clipped to
+        the AMP config's ``clip_grad_norm``, None without one)."""
+        if args or kwargs:
+            raise TypeError("the AMP optimizer's step() takes no closure: call backward(loss) first, then step()")
+        norm = self._clip_now(self._clip) if self._clip > 0 else None
+        applied = self.precision.step(self.optim)
+        return (True, norm) if applied else (False, None)
+
 
 class TorchAMPModel(nn.Module):
     """Legacy ``TorchAMPModel``: the model's forward under autocast (``.model`` is the wrapped model)."""

@@ -368,6 +368,7 @@ class NaiveAMPPrecision(FP32Precision):
                 for p, master in self._pairs:
                     p.copy_(master)
         self._unscaled = False
+        return not overflow  # (the legacy optimizer wrapper reports it; the engine reads its own count)
 
     def _log_zeros_in_grad(self):
         """The legacy ``log_num_zeros_in_grad`` line: zero elements of the unscaled fp32 gradients about to be

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Iterable, Optional
 import torch
 from torch import nn
 
+from ..amp.convert import AMPOptimizer
 from ..amp.precision import FP32Precision
 from ..checkpoint.optimizer_match import optimizer_class_name
 from ..logging import get_dist_logger
@@ -86,6 +87,7 @@ class Engine:
         if ophook_list:
             raise ValueError("Engine(ophook_list=...): op-hooks (Gemini) are not supported by colossal_lite; "
                              "remove the argument (a torch module hook or a Trainer hook can do what yours did)")
+        optimizer = torch_optimizer(optimizer, "Engine(optimizer=...)")
         self._model = model
         self._optimizer = optimizer
         self._criterion = criterion
@@ -456,6 +458,20 @@ class Engine:
             raise ValueError(f"the saved accumulation gradients cover {len(grads)} parameters, the model has {len(params)}")
         for p, g in zip(params, grads):
             p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
+
+
+def torch_optimizer(optimizer, where: str):
+    """The optimizer the engine steps. A legacy ``ColossalaiOptimizer(optim)`` is its ``optim``: the wrapper adds
+    nothing the engine does not do itself, and an LR scheduler built on it already shares the optimizer's groups.
+    An AMP wrapper from ``convert_to_amp`` is refused: the engine applies the config's precision itself."""
+    if not isinstance(optimizer, AMPOptimizer):
+        return optimizer
+    if type(optimizer.precision) is not FP32Precision:
+        raise TypeError(f"{where}: got an optimizer that convert_to_amp wrapped ({type(optimizer).__name__}), and "
+                        f"the engine applies mixed precision itself. Fix: pass the torch optimizer it wraps "
+                        f"(.optim) and set fp16 = dict(mode=AMP_TYPE.{optimizer.precision.mode.name}) in the config "
+                        f"(or initialize(..., config=dict(fp16=...)))")
+    return optimizer.optim
 
 
 class EngineLRScheduler:

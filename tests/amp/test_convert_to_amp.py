@@ -160,12 +160,13 @@ def test_naive_amp_matches_the_engine_step_for_step(launched, clip, legacy_form)
         engine.zero_grad()
         engine_loss = engine.criterion(engine(x), y)
         engine.backward(engine_loss)
-        engine.step()
+        updated = engine.step()
         amp_opt.zero_grad()
         loss = criterion(amp_model(x), y)
         amp_opt.backward(loss)
         amp_opt.clip_grad_norm(amp_model, clip)  # what the legacy Engine called: no second clip
-        amp_opt.step()
+        applied, norm = amp_opt.step()  # legacy FP16Optimizer's (applied, grad_norm): it returned None here
+        assert applied is updated and (norm is None) == (not clip or not applied)
         assert torch.equal(loss, engine_loss)
         for p, q in zip(model.parameters(), engine_model.parameters()):
             assert torch.equal(p, q)

@@ -8,9 +8,11 @@ from engine_helpers import make_batches, make_model
 from torch import nn
 
 import colossal_lite
+from colossal_lite.amp import AMP_TYPE, convert_to_amp
 from colossal_lite.engine import Engine
 from colossal_lite.engine.gradient_handler import BaseGradientHandler, DataParallelGradientHandler
 from colossal_lite.engine.strategy import DDPStrategy
+from colossal_lite.nn.optimizer import ColossalaiOptimizer
 from colossal_lite.testing import assert_close, rerun_if_address_is_in_use, spawn
 
 
@@ -84,6 +86,52 @@ def test_keywords_of_the_legacy_signature_are_taken():
     # the fifth positional argument is clip_grad_norm, as in legacy; None or [] handlers leave the default part
     assert Engine(model, optimizer, None, None, 2.0).clip_grad_norm == 2.0
     assert type(Engine(model, optimizer, None, []).strategy).__name__ == "SingleProcess"
+
+
+def test_an_optimizer_wrapped_by_hand_in_colossalai_optimizer_trains_as_the_one_it_wraps(launched):
+    """Legacy ``Engine`` and ``initialize`` took a ``ColossalaiOptimizer``; here they failed on it with an
+    AttributeError (found by the legacy-scripts probe). The engine steps the optimizer it wraps, and a scheduler
+    built on the wrapper follows the updates."""
+    launched()
+    batches = _batches(0, 3)
+    hand = _model()
+    hand_opt = torch.optim.SGD(hand.parameters(), lr=0.1)
+    for data, label in batches:
+        hand_opt.zero_grad()
+        nn.functional.cross_entropy(hand(data), label).backward()
+        hand_opt.step()
+    for build in ("Engine", "initialize"):
+        model = _model()
+        wrapped = ColossalaiOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        if build == "Engine":
+            engine = Engine(model, wrapped, nn.CrossEntropyLoss(), None, 0.0, None, False)
+            scheduler = None
+        else:
+            scheduler = torch.optim.lr_scheduler.StepLR(wrapped, step_size=1, gamma=1.0)
+            engine, _, _, scheduler = colossal_lite.initialize(model, wrapped, nn.CrossEntropyLoss(),
+                                                               lr_scheduler=scheduler, verbose=False)
+        for data, label in batches:
+            engine.zero_grad()
+            engine.backward(engine.criterion(engine(data), label))
+            assert engine.step()
+            if scheduler is not None:
+                scheduler.step()
+        assert engine.optimizer is wrapped.optim and engine.num_updates == 3, build
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), hand.parameters())), build
+        if scheduler is not None:
+            assert scheduler.last_epoch == 3
+
+
+def test_an_optimizer_convert_to_amp_wrapped_is_refused_with_the_config_to_write(launched):
+    launched()
+    model = _model()
+    _, amp_optimizer, _ = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1), None, AMP_TYPE.TORCH)
+    for build in (lambda: Engine(model, amp_optimizer, nn.CrossEntropyLoss()),
+                  lambda: colossal_lite.initialize(model, amp_optimizer, nn.CrossEntropyLoss(), verbose=False)):
+        with pytest.raises(TypeError, match=r"got an optimizer that convert_to_amp wrapped \(TorchAMPOptimizer\).* Fix: "
+                                            r"pass the torch optimizer it wraps \(\.optim\) and set fp16 = "
+                                            r"dict\(mode=AMP_TYPE\.TORCH\) in the config"):
+            build()
 
 
 def test_wrong_handlers_and_op_hooks_say_what_to_fix():

@@ -578,3 +578,23 @@ def test_loss_sum_weighs_each_part_by_its_batch_size_and_resumes_bit_for_bit():
         for v, n in losses[cut:]:
             resumed.update(torch.tensor(v), n)
         assert resumed.get_accumulated_value() == whole.get_accumulated_value(), f"cut at {cut}"
+
+
+def test_a_hook_of_ones_own_sets_values_in_step_metrics_as_legacy_hooks_did(capsys):
+    """Legacy ``states['step_metrics']`` was a dict a hook could add to; here it was a read-only view and the
+    assignment raised TypeError (found by the legacy-scripts probe). Own values show in the progress line."""
+    class GradNote(BaseHook):
+        def after_train_iter(self, trainer, *args):
+            trainer.states["step_metrics"]["note"] = 7.5
+            with pytest.raises(KeyError, match=r"is the metric 'loss''s value, read from the metric"):
+                trainer.states["step_metrics"]["loss"] = 0.0
+
+    engine, _ = make_engine(make_model())
+    trainer = Trainer(engine)
+    trainer.fit(make_batches(3), epochs=1, display_progress=True,
+                hooks=[LossHook(), LogMetricByStepHook(), GradNote(priority=20)])
+    assert trainer.states["step_metrics"]["note"] == 7.5 and set(trainer.states["step_metrics"]) == {"loss", "note"}
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[Epoch 0 / Train]")][-1]
+    assert line.endswith("note=7.5") and " loss=" in line, line
+    del trainer.states["step_metrics"]["note"]
+    assert set(trainer.states["step_metrics"]) == {"loss"}

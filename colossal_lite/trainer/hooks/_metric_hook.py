@@ -9,7 +9,7 @@ this rank as a device tensor (or a float), for the progress display and step log
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -841,15 +841,32 @@ class ThroughputHook(MetricHook):
         self._close(self.test_metric, trainer)
 
 
-class _StepMetricsView(Mapping):
+class _StepMetricsView(MutableMapping):
     """``states['step_metrics']`` as a live view, read on access: in training each metric's last-step value, in
     evaluation its value over the batches evaluated so far (a last batch's value says little about a test set),
-    this rank's while the evaluation runs and all ranks' once it is over (the value the log line shows)."""
+    this rank's while the evaluation runs and all ranks' once it is over (the value the log line shows).
+
+    A hook of one's own may set values of its own in it, as legacy hooks did in its dict (the progress display
+    shows them after the metrics'); a metric's own name is refused, since the view gives the metric's value."""
 
     def __init__(self, trainer):
         self._trainer = trainer
+        self._own: Dict[str, Any] = {}  # values a user's hook set
+
+    def __setitem__(self, key, value):
+        if any(name == key for name, _ in self._metric_items()):
+            raise KeyError(f"states['step_metrics'][{key!r}] is the metric {key!r}'s value, read from the metric; "
+                           f"set a value of your own under another name")
+        self._own[key] = value
+
+    def __delitem__(self, key):
+        del self._own[key]
 
     def _items(self):
+        yield from self._metric_items()
+        yield from self._own.items()
+
+    def _metric_items(self):
         testing = self._trainer.state.phase == "test"
         for name, metric in self._trainer.states["metrics"]["test" if testing else "train"].items():
             if testing:
