@@ -12,6 +12,7 @@ import platform
 from typing import List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.model_state import check_model_state
@@ -226,6 +227,14 @@ class FSDPStrategy(SingleProcess):
         if sync != self._sync:
             self.unwrap(model).set_requires_gradient_sync(sync)
             self._sync = sync
+
+    def sync_buffers_at_next_forward(self, model):
+        # FSDP2 leaves each rank its own buffers (BatchNorm's statistics, updated from its own batches); an
+        # evaluation is of rank 0's model, whose buffers the checkpoints keep: they are brought now (buffers are
+        # not sharded, and every rank calls this alike)
+        with torch.no_grad():
+            for buffer in self.unwrap(model).buffers():
+                dist.broadcast(buffer, src=0)
 
     @staticmethod
     def unwrap(model):

@@ -1,14 +1,16 @@
 """Evaluation on two ranks of a model with buffers (BatchNorm): after training each rank's statistics hold its own
 last batch's update, and every evaluation, one after ``fit``'s evaluation on the EMA weights included, is of rank
 0's model (the one its checkpoints keep), as one process would evaluate it over the whole test set; so is
-``trainer.predict`` over a distributed loader, whose rows are gathered from both ranks."""
+``trainer.predict`` over a distributed loader, whose rows are gathered from both ranks. Under DDP and under ZeRO
+stage 3, whose FSDP2 syncs no buffer at all (its evaluations and predictions mixed the ranks' statistics; found by
+the evaluation probe)."""
 import json
 
 import torch
 from dist_helpers import run_ranks
 
 SCRIPT = '''
-import copy, json, sys
+import json, sys
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -20,47 +22,53 @@ from colossal_lite.trainer import Trainer
 from colossal_lite.trainer.hooks import AccuracyHook, EMAHook, LossHook
 from colossal_lite.utils import get_dataloader
 
-colossal_lite.launch_from_torch(config=dict(gradient_accumulation=2), verbose=False, seed=7)
+colossal_lite.launch_from_torch(config={}, verbose=False, seed=7)
 rank = dist.get_rank()
 g = torch.Generator().manual_seed(0)
 x, y = torch.randn(63, 6, generator=g), torch.randint(0, 3, (63,), generator=g)
 train, test = TensorDataset(x[:40], y[:40]), TensorDataset(x[40:] * 2, y[40:])  # 23 test samples: one repeat
-torch.manual_seed(1)
-model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
-engine, train_loader, test_loader, _ = colossal_lite.initialize(
-    model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-    get_dataloader(train, batch_size=4, shuffle=True), get_dataloader(test, batch_size=5), verbose=False)
-trainer = Trainer(engine)
-# fit's evaluation runs on the EMA weights and puts the live ones back, each rank's own statistics with them
-trainer.fit(train_loader, epochs=1, test_dataloader=test_loader, hooks=[LossHook(), EMAHook(decay=0.8)],
-            display_progress=False)
-own = engine.unwrapped_model[1].running_mean.clone()  # this rank's statistics after its last batch
-gathered = [torch.empty_like(own) for _ in range(2)]
-dist.all_gather(gathered, own)
 
-def rank_0s_figures():
-    """Rank 0's model (its state sent to every rank) over the whole test set in one batch."""
-    state = [engine.unwrapped_model.state_dict() if rank == 0 else None]
+def build():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+def check(config, fit_hooks, evaluate_in_fit):
+    gpc.load_config(config)
+    engine, train_loader, test_loader, _ = colossal_lite.initialize(
+        build(), lambda params: torch.optim.SGD(params, lr=0.1), nn.CrossEntropyLoss(),
+        get_dataloader(train, batch_size=4, shuffle=True), get_dataloader(test, batch_size=5), verbose=False)
+    trainer = Trainer(engine)
+    trainer.fit(train_loader, epochs=1, test_dataloader=test_loader if evaluate_in_fit else None, hooks=fit_hooks,
+                display_progress=False)
+    own = engine.unwrapped_model[1].running_mean.clone()  # this rank's statistics after its last batch
+    gathered = [torch.empty_like(own) for _ in range(2)]
+    dist.all_gather(gathered, own)
+    # rank 0's model (its whole state sent to every rank) over the whole test set in one batch
+    state = [engine.state_dict()["model"]]  # (a collective: whole tensors under ZeRO 3)
     dist.broadcast_object_list(state, src=0)
-    copy_ = copy.deepcopy(engine.unwrapped_model)
-    copy_.load_state_dict(state[0])
-    copy_.eval()
+    plain = build()
+    plain.load_state_dict(state[0])
+    plain.eval()
     with torch.no_grad():
-        logits = copy_(test.tensors[0])
-    return {"correct": int((logits.argmax(-1) == test.tensors[1]).sum()),
-            "loss": float(nn.functional.cross_entropy(logits, test.tensors[1])), "logits": logits.tolist()}
+        logits = plain(test.tensors[0])
+    expected = {"correct": int((logits.argmax(-1) == test.tensors[1]).sum()),
+                "loss": float(nn.functional.cross_entropy(logits, test.tensors[1])), "logits": logits.tolist()}
+    predicted = trainer.predict(test_loader).tolist()  # before any evaluation: each rank still has its own statistics
+    hooks = lambda: [LossHook(), AccuracyHook(Accuracy())]
+    first = trainer.evaluate(test_loader, hooks=hooks())
+    second = trainer.evaluate(test_loader, hooks=hooks())
+    after = engine.unwrapped_model[1].running_mean.clone()
+    together = [torch.empty_like(after) for _ in range(2)]
+    dist.all_gather(together, after)
+    return dict(differed=not torch.equal(*gathered), together=torch.equal(*together), expected=expected,
+                first=first, second=second, predicted=predicted)
 
-expected = rank_0s_figures()
-predicted = trainer.predict(test_loader).tolist()  # before any evaluation: each rank still has its own statistics
-hooks = lambda: [LossHook(), AccuracyHook(Accuracy())]
-first = trainer.evaluate(test_loader, hooks=hooks())
-second = trainer.evaluate(test_loader, hooks=hooks())
-after = engine.unwrapped_model[1].running_mean.clone()
-together = [torch.empty_like(after) for _ in range(2)]
-dist.all_gather(together, after)
+# under DDP fit's evaluation runs on the EMA weights and puts the live ones back, each rank's own statistics with
+# them; ZeRO 3 leaves each rank its own statistics after training (FSDP2 syncs no buffer)
+results = dict(ddp=check(dict(gradient_accumulation=2), [LossHook(), EMAHook(decay=0.8)], True),
+               zero3=check(dict(zero=dict(stage=3)), [LossHook()], False))
 with open(sys.argv[1] + f".rank{rank}", "w") as f:
-    json.dump(dict(differed=not torch.equal(*gathered), together=torch.equal(*together), expected=expected,
-                   first=first, second=second, predicted=predicted), f)
+    json.dump(results, f)
 gpc.destroy()
 '''
 
@@ -69,7 +77,7 @@ def test_every_evaluation_is_of_rank_0s_model_on_two_ranks(tmp_path):
     script = tmp_path / "eval_buffers.py"
     script.write_text(SCRIPT)
     run_ranks(script, [tmp_path / "out"], nproc=2, timeout=120)
-    results = [json.loads((tmp_path / f"out.rank{r}").read_text()) for r in (0, 1)]
+    results = [json.loads((tmp_path / f"out.rank{rank}").read_text())[kind] for rank in (0, 1) for kind in ("ddp", "zero3")]
     for r in results:
         assert r["differed"], r  # training left each rank with its own statistics: the case under test
         assert r["together"], r
