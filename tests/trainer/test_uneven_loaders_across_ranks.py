@@ -25,11 +25,11 @@ class Stream(IterableDataset):
 
 try:
     get_dataloader(Stream(), batch_size=2)
-    print(f"rank {rank} iterable: accepted", flush=True)
+    print(f"rank {rank} iterable: accepted\\n", end="", flush=True)
 except ValueError as err:
-    print(f"rank {rank} iterable refused: {err}", flush=True)
+    print(f"rank {rank} iterable refused: {err}\\n", end="", flush=True)
 own = get_dataloader(Stream(), batch_size=2, add_sampler=False)
-print(f"rank {rank} iterable add_sampler=False:", [b.flatten().tolist() for b in own], flush=True)
+print(f"rank {rank} iterable add_sampler=False: {[b.flatten().tolist() for b in own]}\\n", end="", flush=True)
 
 model = nn.Linear(6, 3)
 engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
@@ -49,15 +49,15 @@ def unsized(n):
 
 
 trainer.fit(unsized(2), max_steps=2)  # no len() on any rank: nothing to compare, the run goes on
-print(f"rank {rank} unsized on both ranks: {engine.num_updates} steps", flush=True)
+print(f"rank {rank} unsized on both ranks: {engine.num_updates} steps\\n", end="", flush=True)
 try:
     trainer.fit(unsized(3) if rank == 0 else batches(3), epochs=1)
 except ValueError as err:
-    print(f"rank {rank} mixed refused: {err}", flush=True)
+    print(f"rank {rank} mixed refused: {err}\\n", end="", flush=True)
 loader = DataLoader(TensorDataset(torch.randn(20 + 4 * rank, 6), torch.randint(0, 3, (20 + 4 * rank,))),
                     batch_size=4)  # rank 0: 5 batches, rank 1: 6
 trainer.fit(loader, epochs=1)
-print(f"rank {rank} trained on uneven loaders", flush=True)
+print(f"rank {rank} trained on uneven loaders\\n", end="", flush=True)
 '''
 
 
