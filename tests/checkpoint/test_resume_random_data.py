@@ -18,13 +18,7 @@ from colossal_lite.trainer.hooks import LossHook, SaveCheckpointHook
 N, BATCH = 20, 4  # 5 batches an epoch
 
 
-@pytest.fixture(autouse=True)
-def deterministic():
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
-    gpc.destroy()
+pytestmark = pytest.mark.usefixtures("deterministic_algorithms")
 
 
 class Augmented(Dataset):

@@ -21,14 +21,7 @@ from colossal_lite.trainer import Trainer
 from colossal_lite.trainer.hooks import BaseHook, EarlyStoppingHook, LossHook, LRSchedulerHook, SaveCheckpointHook
 from colossal_lite.utils import get_dataloader
 
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
-    gpc.destroy()
+pytestmark = pytest.mark.usefixtures("deterministic_algorithms")
 
 
 class Counting(Dataset):
