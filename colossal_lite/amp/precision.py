@@ -94,7 +94,7 @@ class FP32Precision:
         return {}
 
     def load_state_dict(self, state: Dict):
-        pass
+        _scaler_state_of_this_mode(state, None, "")  # (one of an fp16 mode is left, with a warning)
 
 
 class BF16Precision(FP32Precision):
@@ -231,7 +231,7 @@ def _saved_mode(state: Dict) -> Optional[str]:
     return "naive" if "master_params" in state or "good_steps" in state.get("scaler", {}) else "torch"
 
 
-def _scaler_state_of_this_mode(state: Dict, mode: str, initial_option: str) -> bool:
+def _scaler_state_of_this_mode(state: Dict, mode: Optional[str], initial_option: str) -> bool:
     """Whether ``state`` holds this fp16 mode's loss scaler. One saved under the other mode (a run resumed with
     another ``fp16.mode``) has other fields: it is left, with a warning, and the scale starts from the config's."""
     saved = _saved_mode(state)
@@ -240,9 +240,10 @@ def _scaler_state_of_this_mode(state: Dict, mode: str, initial_option: str) -> b
     if is_rank_0():
         masters = (" (and the weights are the model's fp16 ones: NAIVE's fp32 masters are not carried over)"
                    if saved == "naive" else "")
-        warnings.warn(f"the checkpoint's loss scaler was saved under fp16 mode {saved.upper()} and this run uses "
-                      f"{mode.upper()}: its loss scale starts from fp16.{initial_option} in the config{masters}",
-                      stacklevel=4)
+        now = (f"uses {mode.upper()}: its loss scale starts from fp16.{initial_option} in the config" if mode else
+               "has no loss scaler (fp32 or bf16): it is left")
+        warnings.warn(f"the checkpoint's loss scaler was saved under fp16 mode {saved.upper()} and this run "
+                      f"{now}{masters}", stacklevel=4)
     return False
 
 

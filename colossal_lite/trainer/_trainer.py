@@ -789,6 +789,8 @@ class Trainer:
             data_iter = iter(loader)
         else:
             epoch_rng, read_ahead = self._epoch_start.take(epoch, skip)
+            if st.iters_per_epoch is not None:  # a loader without len then, one with len now: its epoch is read from
+                read_ahead = None  # the start again (only an epoch without len trains kept batches first)
             if read_ahead is NOT_STORED:
                 read_ahead = None
                 if is_rank_0():

@@ -159,3 +159,22 @@ def test_a_resume_with_persistent_workers_warns_that_their_random_streams_differ
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run(LOADERS["shuffle"], resume=tmp_path / "ck" / "epoch1-step10")
+
+
+class SizedStream(Stream):
+    """The stream, now with the len it always had."""
+
+    def __len__(self):
+        return N
+
+
+def test_a_checkpoint_of_a_loader_without_len_resumed_on_the_same_data_with_a_len_skips_nothing(tmp_path):
+    """The resume read past the batches kept ahead (as a loader without len does) but trained them only in an epoch
+    without len: a loader that has a len now lost a batch without a word and then failed, blaming its len (found
+    by the checkpoint probe). Its epoch is read from the start again: every batch after the cut is trained."""
+    def unsized():
+        return DataLoader(Stream(), batch_size=BATCH)
+
+    run(unsized, ck=tmp_path / "ck", max_steps=2)  # epoch 0, after batch 2 of 5, one batch kept ahead
+    inputs, _, trainer = run(lambda: DataLoader(SizedStream(), batch_size=BATCH), resume=tmp_path / "ck" / "last")
+    assert trainer.cur_step == 10 and len(inputs) == 8  # the 3 batches left of epoch 0 and the 5 of epoch 1

@@ -55,15 +55,17 @@ def test_weights_loaded_after_initialize_survive_the_next_update(launched, tmp_p
         assert torch.equal(value, pretrained[name].half()), name
 
 
-@pytest.mark.parametrize("saved_mode, resumed_mode", [(AMP_TYPE.TORCH, AMP_TYPE.NAIVE), (AMP_TYPE.NAIVE, AMP_TYPE.TORCH)])
+@pytest.mark.parametrize("saved_mode, resumed_mode", [(AMP_TYPE.TORCH, AMP_TYPE.NAIVE), (AMP_TYPE.NAIVE, AMP_TYPE.TORCH),
+                                                       (AMP_TYPE.NAIVE, None)])  # (fp32: it dropped both silently)
 def test_a_checkpoint_of_the_other_fp16_mode_resumes_with_its_weights_and_a_fresh_scale(
         launched, tmp_path, saved_mode, resumed_mode):
     engine, loader = naive_engine(launched, lr=0.5, mode=saved_mode, seed=0)
     Trainer(engine).fit(loader, epochs=1, hooks=[hooks.SaveCheckpointHook(1, str(tmp_path / "ck"))], log_dir=False)
     saved = [p.detach().float().clone() for p in masters(engine)]
     engine, loader = naive_engine(launched, mode=resumed_mode)
-    with pytest.warns(UserWarning, match=rf"loss scaler was saved under fp16 mode {saved_mode.name} and this run "
-                                         rf"uses {resumed_mode.name}: its loss scale starts from fp16\."):
+    now = (rf"uses {resumed_mode.name}: its loss scale starts from fp16\." if resumed_mode else
+           r"has no loss scaler \(fp32 or bf16\): it is left \(and the weights are the model's fp16 ones")
+    with pytest.warns(UserWarning, match=rf"loss scaler was saved under fp16 mode {saved_mode.name} and this run {now}"):
         Trainer(engine).fit(loader, epochs=1, resume_from=str(tmp_path / "ck" / "last"), log_dir=False)
     assert engine.num_updates == 2
     if saved_mode is AMP_TYPE.NAIVE:  # TORCH trains fp32 weights: the model's fp16 ones are what it can take
