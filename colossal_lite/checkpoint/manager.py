@@ -37,9 +37,9 @@ from .ranks import Ranks
 from .reader import load_shared, merge_checkpoint, model_state_from, read_checkpoint
 from .sharded import (
     has_sharded_state,
-    holds_optimizer_state,
     load_sharded,
     merge_sharded,
+    optimizer_state_keys,
     save_sharded,
     verify_sharded,
 )
@@ -48,7 +48,7 @@ from .writer import USE_GPC_CONFIG, begin_write, numbers_from, write_checkpoint
 __all__ = [
     "CheckpointManager", "checkpoint_info", "checkpoint_name", "rank_file", "read_meta", "verify_files",
     "remove_leftovers", "is_single_file", "resolve_path", "read_checkpoint", "load_shared", "merge_checkpoint",
-    "model_state_from", "has_sharded_state", "holds_optimizer_state", "load_sharded", "merge_sharded", "save_sharded",
+    "model_state_from", "has_sharded_state", "optimizer_state_keys", "load_sharded", "merge_sharded", "save_sharded",
     "verify_sharded",
     "FORMAT", "FORMAT_VERSION", "META_FILE", "POINTERS", "SHARDED_DIR", "SHARED_FILE",
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 from .io import (
     CheckpointDamagedError,
@@ -123,12 +123,11 @@ def has_sharded_state(path: PathLike) -> bool:
     return (Path(path) / SHARDED_DIR).is_dir()
 
 
-def holds_optimizer_state(path: PathLike) -> bool:
-    """Whether ``path/sharded`` holds per-parameter optimizer state (``optimizer.state.*``: Adam's step and moments).
-
-    One saved before the optimizer applied its first update holds none (its first steps skipped: an fp16 overflow,
-    ``nonfinite_loss='skip'``). Read from DCP's metadata, checked against ``meta.json``. A collective: every rank
-    reads it, and all raise if one could not."""
+def optimizer_state_keys(path: PathLike) -> Set[str]:
+    """The keys of the optimizer state ``path/sharded`` holds (``optimizer.state.<parameter>.<name>``: Adam's step
+    and moments). A parameter that never had a gradient (unused in the forward), or every parameter before the first
+    applied update (its first steps skipped: an fp16 overflow, ``nonfinite_loss='skip'``), has none. Read from DCP's
+    metadata, checked against ``meta.json``. A collective: every rank reads it, and all raise if one could not."""
     folder = Path(path) / SHARDED_DIR
     keys: List[str] = []
     error: Optional[BaseException] = None
@@ -138,7 +137,7 @@ def holds_optimizer_state(path: PathLike) -> bool:
     except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
         error = e
     Ranks().agree(error, f"read the sharded state's metadata of {path}", fallback=CheckpointError)
-    return any(key.startswith(OPTIMIZER_STATE_PREFIX) for key in keys)
+    return {key for key in keys if key.startswith(OPTIMIZER_STATE_PREFIX)}
 
 
 def merge_sharded(path: PathLike) -> Dict[str, Any]:

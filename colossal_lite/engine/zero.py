@@ -270,9 +270,16 @@ class FSDPStrategy(SingleProcess):
         return {"model": model_state, "optimizer": optim_state}
 
     def load_sharded_state_dict(self, model, optimizer, state):
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_model_state_dict(model, state["model"])
+        # a parameter the saved optimizer held no state for (one unused in the forward, or every one before the
+        # first applied update) is loaded without state, as it was saved; the model's keys stay checked
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
 
     def optimizer_state_dict(self, model, optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict

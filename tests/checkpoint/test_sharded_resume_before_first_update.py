@@ -31,15 +31,26 @@ rank = gpc.get_global_rank()
 CASES = {{  # the first step of each is skipped, so the checkpoint at step 1 precedes every update
     "stage2_fp16_overflow": dict(zero=dict(stage=2), fp16=dict(mode=AMP_TYPE.TORCH, init_scale=2.0 ** 20)),
     "stage3_bf16_skip": dict(zero=dict(stage=3), fp16=dict(mode=AMP_TYPE.BF16), nonfinite_loss="skip"),
+    # ... and one whose first update is applied, of a model with a parameter the forward never uses (it never
+    # gets a gradient, so it has no optimizer state: "Missing key" too, found by the checkpoint probe)
+    "stage2_unused_parameter": dict(zero=dict(stage=2)),
 }}
 
-def fit(config, steps, save_to=None, resume=None, finetune=False, read_first=False):
+class WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net, self.unused = make_model(), torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.net(x)
+
+def fit(config, steps, save_to=None, resume=None, finetune=False, read_first=False, unused=False):
     gpc.load_config(config)
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(48, 6, generator=g), torch.randint(0, 4, (48,), generator=g)
     if config.get("nonfinite_loss") == "skip":
         x[0, 0] = float("nan")  # in the first batch of rank 0: a nonfinite loss there
-    model = make_model()
+    model = WithUnused() if unused else make_model()
     engine, loader, *_ = colossal_lite.initialize(
         model, torch.optim.Adam(model.parameters(), lr=0.01), torch.nn.CrossEntropyLoss(),
         get_dataloader(torch.utils.data.TensorDataset(x, y), batch_size=4), verbose=False)
@@ -56,11 +67,11 @@ def fit(config, steps, save_to=None, resume=None, finetune=False, read_first=Fal
 
 results = {{}}
 for name, config in CASES.items():
-    ckpt = f"{{out}}/{{name}}"
-    whole = fit(config, 6)
-    first = fit(config, 1, save_to=ckpt)
+    ckpt, unused = f"{{out}}/{{name}}", "unused" in name
+    whole = fit(config, 6, unused=unused)
+    first = fit(config, 1, save_to=ckpt, unused=unused)
     barrier()
-    resumed = fit(config, 6, resume=ckpt + "/last")
+    resumed = fit(config, 6, resume=ckpt + "/last", unused=unused)
     results[name] = dict(whole=whole, first_updates=first["num_updates"], resumed=resumed)
 # fine-tuning from such a checkpoint's weights: the optimizer starts from nothing, as a fresh run's does
 tuned = fit(dict(zero=dict(stage=2)), 2, resume=f"{{out}}/stage2_fp16_overflow/last", finetune=True)
@@ -102,9 +113,9 @@ def test_sharded_checkpoint_before_the_first_update_resumes_as_the_run_that_neve
         for key, value in whole.items():
             same = torch.equal(value, after_read[key]) if isinstance(value, torch.Tensor) else value == after_read[key]
             assert same, (rank, key)
-        assert set(results) == {"stage2_fp16_overflow", "stage3_bf16_skip"}
+        assert set(results) == {"stage2_fp16_overflow", "stage3_bf16_skip", "stage2_unused_parameter"}
         for name, result in results.items():
-            assert result["first_updates"] == 0, name  # the checkpoint precedes every update
+            assert result["first_updates"] == ("unused" in name), name  # the checkpoint precedes every update
             whole, resumed = dict(_leaves(result["whole"])), dict(_leaves(result["resumed"]))
             assert whole["num_updates"] > 0, name
             assert any(key.startswith("optimizer.state.") for key in whole), name  # Adam's state, compared below

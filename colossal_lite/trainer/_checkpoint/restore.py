@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional, Union
 from ...checkpoint import CheckpointManager, restore_rng_state
 from ...checkpoint.io import CheckpointDamagedError, CheckpointError
 from ...checkpoint.layout import read_save_times
-from ...checkpoint.manager import has_sharded_state, holds_optimizer_state, load_sharded, model_state_from
+from ...checkpoint.manager import has_sharded_state, load_sharded, model_state_from, optimizer_state_keys
 from ...checkpoint.merged import keyed_by_name, optimizer_state_by_name, optimizer_state_by_position, parameter_names
 from ...checkpoint.model_state import ModelMismatchError
 from ...checkpoint.optimizer_match import OptimizerMismatchError, check_optimizer_state
@@ -243,13 +243,14 @@ def _restore_engine(engine, path: Path, shared: Dict[str, Any], rank_state: Dict
                                   f"with zero stage 2/3, or write one file first: colossal-lite ckpt merge {path} "
                                   f"merged.pt")
         state = engine.sharded_state_dict()
-        if not holds_optimizer_state(path):
-            # No per-parameter state was saved: the optimizer had applied no update yet (its first steps skipped:
-            # an fp16 overflow, nonfinite_loss='skip'; taken with their gradients on the parameters, torch's state
-            # dict leaves such an optimizer as it is). This run's template has some (torch creates it for an
-            # optimizer without gradients, stepping it at learning rate 0), which the checkpoint cannot fill: none
-            # is loaded, and loading the saved groups with no state empties this optimizer's, as the saved one's was.
-            state["optimizer"]["state"] = {}
+        # A parameter had no optimizer state when the checkpoint was saved (none had before the first applied
+        # update; one unused in the forward never has). This run's template has state for every parameter (torch
+        # makes it for an optimizer without any, stepping it at learning rate 0), which the checkpoint cannot fill:
+        # those entries are not loaded, and loading the rest leaves them without state, as the saved optimizer was.
+        saved = optimizer_state_keys(path)
+        state["optimizer"]["state"] = {
+            name: entries for name, entries in state["optimizer"]["state"].items()
+            if any(key.startswith(f"optimizer.state.{name}.") for key in saved)}
         load_sharded(path, state)
         engine.load_sharded_state_dict(state)
     elif "optimizer" in engine_state:  # whole tensors, by name (merged from shards) or by position (unsharded)
