@@ -290,8 +290,9 @@ class FSDPStrategy(SingleProcess):
     def load_optimizer_state_dict(self, model, optimizer, state):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        try:
-            set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        try:  # (strict=False: a parameter without saved state stays without, as in load_sharded_state_dict)
+            set_optimizer_state_dict(model, optimizer, state,
+                                     options=StateDictOptions(full_state_dict=True, strict=False))
         except KeyError as error:  # torch matches the saved groups' keys to this optimizer's, and names only the key
             key = str(error.args[0]) if error.args else ""
             missing = key.rsplit(".", 1)[-1]
@@ -299,3 +300,10 @@ class FSDPStrategy(SingleProcess):
                     "run that saved it did)" if missing == "initial_lr" else "")
             raise KeyError(f"the saved optimizer state has the parameter-group key {missing!r}, which this optimizer's "
                            f"groups lack{hint}") from error
+        # torch's loader keeps the state it made (stepping at learning rate 0) for a parameter the saved state has
+        # none for: it goes, as it was saved
+        saved = set(state.get("state") or {})
+        if all(isinstance(name, str) for name in saved):  # (keyed by parameter name, as torch's full state dict is)
+            for name, param in self.unwrap(model).named_parameters():
+                if name not in saved:
+                    optimizer.state.pop(param, None)

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, {tests!r})
 import colossal_lite
 from colossal_lite.amp import AMP_TYPE
+from colossal_lite.cli import main as cli_main
 from colossal_lite.core import global_context as gpc
 from colossal_lite.trainer import Trainer
 from colossal_lite.trainer.hooks import LoadCheckpointHook, SaveCheckpointHook
@@ -73,6 +74,12 @@ for name, config in CASES.items():
     barrier()
     resumed = fit(config, 6, resume=ckpt + "/last", unused=unused)
     results[name] = dict(whole=whole, first_updates=first["num_updates"], resumed=resumed)
+    if unused:  # its merged file, resumed on the same ZeRO ranks (whole tensors, loaded by name)
+        if rank == 0:
+            assert cli_main(["ckpt", "merge", ckpt + "/last", ckpt + "-merged.pt"]) == 0
+        barrier()
+        results[name + "_merged"] = dict(whole=whole, first_updates=1,
+                                         resumed=fit(config, 6, resume=ckpt + "-merged.pt", unused=True))
 # fine-tuning from such a checkpoint's weights: the optimizer starts from nothing, as a fresh run's does
 tuned = fit(dict(zero=dict(stage=2)), 2, resume=f"{{out}}/stage2_fp16_overflow/last", finetune=True)
 results["finetune_steps"] = {{k: float(v["step"]) for k, v in tuned["optimizer"]["state"].items()}}
@@ -113,7 +120,8 @@ def test_sharded_checkpoint_before_the_first_update_resumes_as_the_run_that_neve
         for key, value in whole.items():
             same = torch.equal(value, after_read[key]) if isinstance(value, torch.Tensor) else value == after_read[key]
             assert same, (rank, key)
-        assert set(results) == {"stage2_fp16_overflow", "stage3_bf16_skip", "stage2_unused_parameter"}
+        assert set(results) == {"stage2_fp16_overflow", "stage3_bf16_skip", "stage2_unused_parameter",
+                                "stage2_unused_parameter_merged"}
         for name, result in results.items():
             assert result["first_updates"] == ("unused" in name), name  # the checkpoint precedes every update
             whole, resumed = dict(_leaves(result["whole"])), dict(_leaves(result["resumed"]))
