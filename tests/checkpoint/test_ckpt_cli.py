@@ -42,6 +42,17 @@ def test_info_prints_epoch_step_metrics_config_and_sizes(run_dir, capsys):
     assert sizes["trainer"] == "0 B"
 
 
+def test_info_of_one_file_of_a_folder_names_the_folder(run_dir, capsys):
+    """A rank's file of a folder was shown as a single-file checkpoint, its parts (the random state, the batches
+    read ahead) dumped as its "epoch" (found by the checkpoint probe): it names the folder to give instead."""
+    d, _ = run_dir
+    folder = d / "epoch3-step120"
+    for name in ("rank0.pt", "shared.pt"):
+        assert main(["ckpt", "info", str(folder / name)]) == 1
+        assert (f"{folder / name} is one file of the checkpoint folder {folder}, which is read whole: give the "
+                f"folder instead ('{folder}')") in capsys.readouterr().err
+
+
 def test_export_writes_bare_weights_loadable_with_weights_only(run_dir, tmp_path, capsys):
     d, model = run_dir
     out_file = tmp_path / "weights.pt"
