@@ -311,6 +311,9 @@ def load_checkpoint_state(state, path: Path, model: nn.Module, optimizer=None, l
     if is_merged(state):
         state = _legacy_view(state, merged_meta(state).get("epoch", -1))
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        if Path(path).is_file() and (Path(path).parent / META_FILE).is_file():
+            raise CheckpointError(f"{path} is one file of the checkpoint folder {Path(path).parent}, which is read "
+                                  f"whole: give the folder instead ({str(Path(path).parent)!r})")
         found = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path} is not a save_checkpoint file: it has no 'model' entry (found {found})")
     if optimizer is not None and isinstance(state.get("optimizer"), dict):
