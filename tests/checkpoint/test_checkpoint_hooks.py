@@ -227,7 +227,7 @@ def test_a_file_of_a_checkpoint_folder_says_to_give_the_folder(tmp_path):
     assert f"{folder / 'shared.pt'} is one file of the checkpoint folder {folder}" in str(caught.value)
     assert f"give the folder instead ('{folder}')" in str(caught.value)
     # the legacy hook said "is not a save_checkpoint file: it has no 'model' entry" (found by the checkpoint probe)
-    with pytest.raises(CheckpointError, match=rf"rank0\.pt is one file of the checkpoint folder .*give the folder"):
+    with pytest.raises(CheckpointError, match=r"rank0\.pt is one file of the checkpoint folder .*give the folder"):
         fit(lambda s, m: [LoadCheckpointHook(str(folder / "rank0.pt"))])
 
 
