@@ -247,10 +247,12 @@ def _restore_engine(engine, path: Path, shared: Dict[str, Any], rank_state: Dict
         # update; one unused in the forward never has). This run's template has state for every parameter (torch
         # makes it for an optimizer without any, stepping it at learning rate 0), which the checkpoint cannot fill:
         # those entries are not loaded, and loading the rest leaves them without state, as the saved optimizer was.
-        saved = optimizer_state_keys(path)
-        state["optimizer"]["state"] = {
-            name: entries for name, entries in state["optimizer"]["state"].items()
-            if any(key.startswith(f"optimizer.state.{name}.") for key in saved)}
+        with_state = set()  # every dotted prefix of the saved keys' remainders: a parameter's name is one of them
+        for key in optimizer_state_keys(path):
+            parts = key[len("optimizer.state."):].split(".")
+            with_state.update(".".join(parts[:i]) for i in range(1, len(parts)))
+        state["optimizer"]["state"] = {name: entries for name, entries in state["optimizer"]["state"].items()
+                                       if name in with_state}
         load_sharded(path, state)
         engine.load_sharded_state_dict(state)
     elif "optimizer" in engine_state:  # whole tensors, by name (merged from shards) or by position (unsharded)
