@@ -73,9 +73,12 @@ class AMPOptimizer(torch.optim.Optimizer):
         """Unscale, skip the update on an fp16 overflow (and back the loss scale off), else step."""
         if args or kwargs:
             raise TypeError("the AMP optimizer's step() takes no closure: call backward(loss) first, then step()")
-        if self._clip > 0:
-            self._clip_now(self._clip)
-        self.precision.step(self.optim)
+        norm = self._clip_now(self._clip) if self._clip > 0 else None
+        return self._step_result(self.precision.step(self.optim), norm)
+
+    def _step_result(self, applied, norm):
+        """What ``step`` returns, given the precision's step result and the clipped norm: nothing, as torch's."""
+        return None
 
     @property
     def loss_scale(self) -> Optional[float]:
@@ -111,14 +114,10 @@ class NaiveAMPOptimizer(AMPOptimizer):
     def grad_scaler(self):
         return self.precision.scaler
 
-    def step(self, *args, **kwargs):
-        """As ``AMPOptimizer.step``; returns ``(True, grad_norm)`` when the update was applied and ``(False, None)``
-        when an overflow skipped it, as legacy's ``FP16Optimizer.step`` did (``grad_norm``: the norm clipped to
-        the AMP config's ``clip_grad_norm``, None without one)."""
-        if args or kwargs:
-            raise TypeError("the AMP optimizer's step() takes no closure: call backward(loss) first, then step()")
-        norm = self._clip_now(self._clip) if self._clip > 0 else None
-        applied = self.precision.step(self.optim)
+    def _step_result(self, applied, norm):
+        """``(True, grad_norm)`` when the update was applied and ``(False, None)`` when an overflow skipped it, as
+        legacy's ``FP16Optimizer.step`` returned (``grad_norm``: the norm clipped to the AMP config's
+        ``clip_grad_norm``, None without one)."""
         return (True, norm) if applied else (False, None)
 
 

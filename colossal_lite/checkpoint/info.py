@@ -15,7 +15,7 @@ from .io import (
     verify_checksum,
     verify_records,
 )
-from .layout import META_FILE, POINTERS, SHARDED_DIR, read_meta
+from .layout import POINTERS, SHARDED_DIR, read_meta, refuse_file_of_folder
 from .merged import MERGED_KEY, is_merged, merged_meta
 from .pointers import read_pointer, resolve_path
 from .sharded import has_sharded_state
@@ -30,10 +30,7 @@ def checkpoint_info(path: PathLike) -> Dict[str, Any]:
     """
     p = Path(path)
     folder = resolve_path(p)
-    if folder.is_file() and (folder.parent / META_FILE).is_file():
-        # (its entries are parts of the folder's state: a rank's random state, the batches read ahead, ...)
-        raise CheckpointError(f"{folder} is one file of the checkpoint folder {folder.parent}, which is read whole: "
-                              f"give the folder instead ({str(folder.parent)!r})")
+    refuse_file_of_folder(folder)  # (its entries are parts of the folder's state: a rank's random state, ...)
     if folder.is_file():
         return _file_info(p)
     meta = read_meta(folder)

@@ -61,6 +61,15 @@ def check_name(name: str) -> str:
     return name
 
 
+def refuse_file_of_folder(path) -> None:
+    """Raise ``CheckpointError`` when ``path`` is one file of a checkpoint folder (``shared.pt``, a rank's file):
+    the folder is read whole, so the error names it to give instead."""
+    path = Path(path)
+    if path.is_file() and (path.parent / META_FILE).is_file():
+        raise CheckpointError(f"{path} is one file of the checkpoint folder {path.parent}, which is read whole: "
+                              f"give the folder instead ({str(path.parent)!r})")
+
+
 def read_meta(folder: PathLike) -> Dict[str, Any]:
     """The ``meta.json`` of a checkpoint folder; ``CheckpointError`` when it is missing or not ours."""
     folder = Path(folder)

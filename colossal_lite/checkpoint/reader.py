@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .io import CheckpointError, PathLike, load_file, load_single_file
-from .layout import META_FILE, SHARDED_DIR, SHARED_FILE, rank_file, read_meta, verify_files
+from .layout import SHARDED_DIR, SHARED_FILE, rank_file, read_meta, refuse_file_of_folder, verify_files
 from .merged import merged_state, split_merged, warn_no_rank_state, warn_other_world
 from .pointers import is_single_file, resolve_path
 from .sharded import merge_sharded, verify_sharded
@@ -29,9 +29,7 @@ def read_checkpoint(path: PathLike, rank: int = 0, world_size: Optional[int] = N
     against the CRC-32 of each record of its zip archive.
     """
     path = Path(path)
-    if path.is_file() and (path.parent / META_FILE).is_file():
-        raise CheckpointError(f"{path} is one file of the checkpoint folder {path.parent}, which is read whole: "
-                              f"give the folder instead ({str(path.parent)!r})")
+    refuse_file_of_folder(path)
     if path.is_file():
         return split_merged(load_single_file(path), path, rank, world_size)
     meta = read_meta(path)

@@ -92,7 +92,9 @@ def _foreign_line(key: str, value) -> Optional[str]:
         return f"fp16 = {py(dict(mode=_FP16_FLAGS.get(key, AMP_TYPE.TORCH)))}" if on else "fp16 = None"
     if key == "fp16_opt_level":  # apex's levels: O0 is fp32, O1-O3 mixed precision
         level = str(value).strip().upper()
-        return {"O0": "fp16 = None"}.get(level, FOREIGN_KEYS[key] if level in ("O1", "O2", "O3") else None)
+        if level == "O0":
+            return "fp16 = None"
+        return FOREIGN_KEYS[key] if level in ("O1", "O2", "O3") else None
     if key == "zero_stage":
         return _zero_line(value)
     if key == "zero_optimization":  # DeepSpeed's dict(stage=..., ...): the stage is what carries over
@@ -625,8 +627,9 @@ def validate_config(config: Config) -> List[str]:
         _check_unknown_key(checker, key)
         if key in FOREIGN_KEYS:
             msg = (f"{config._where(key)}: config key '{key}' is not a colossal_lite option (kept as your own value); "
-                   f"colossal_lite's is {foreign_key_fix(key, value)}. Fix: write that instead, or, if '{key}' is your own "
-                   f"value, write it in UPPERCASE or filter ForeignConfigKeyWarning (from colossal_lite.context)")
+                   f"colossal_lite's is {foreign_key_fix(key, value)}. Fix: write that instead, or, if '{key}' is "
+                   f"your own value, write it in UPPERCASE or filter ForeignConfigKeyWarning (from "
+                   f"colossal_lite.context)")
             # attributed to this line, so Python's default filter shows each message once however often the config
             # is checked (launch_from_torch checks it before launch does)
             if _on_rank_0():

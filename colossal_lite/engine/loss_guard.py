@@ -165,8 +165,9 @@ class RaiseOnNonFinite(IgnoreNonFinite):
         raise NonFiniteLossError(
             f"{what}: the model's {shown} hold nan or inf{seen}, so nothing was written (a file saved there before "
             f"is kept). Check the data and the loss for nan/inf, lower the learning rate or set clip_grad_norm; call "
-            f"engine.check_loss_finite() in your loop (at each epoch's end, say) to stop at the first such step; or set "
-            f"nonfinite_loss = 'skip' in the config to skip such updates (nonfinite_loss = 'ignore' saves regardless)")
+            f"engine.check_loss_finite() in your loop (at each epoch's end, say) to stop at the first such step; or "
+            f"set nonfinite_loss = 'skip' in the config to skip such updates (nonfinite_loss = 'ignore' saves "
+            f"regardless)")
 
 
 _NONE = 2**61  # "no non-finite loss" in the ranks' all-reduced minimum

@@ -794,8 +794,8 @@ class Trainer:
             if read_ahead is NOT_STORED:
                 read_ahead = None
                 if is_rank_0():
-                    warnings.warn(f"the batches read ahead of training at this point of epoch {epoch} were not kept in the "
-                                  f"checkpoint (they are not tensors and plain values): they are read again, and "
+                    warnings.warn(f"the batches read ahead of training at this point of epoch {epoch} were not kept in "
+                                  f"the checkpoint (they are not tensors and plain values): they are read again, and "
                                   f"random draws made while reading them (a data augmentation in the main process) "
                                   f"differ from the uninterrupted run's from here on", stacklevel=3)
             data_iter = _iterate_from(loader, st.iters_per_epoch, skip, epoch_rng, skip + len(read_ahead or ()))

@@ -30,9 +30,10 @@ class State:
     ``closing_evaluation`` (an evaluation only the end of training asked for is running: the values are for the
     record, and a hook that decides training's course, an early stop or an LR plateau, leaves them out, since a
     longer run resumed from the final checkpoint would otherwise decide on an evaluation its uninterrupted
-    counterpart never made). A train loader without ``len`` leaves ``steps_per_epoch`` and ``iters_per_epoch`` None, and ``total_steps``
-    None unless the run's length is in steps; ``epoch_length`` is then the micro-batches of the current epoch
-    once its iterator has ended (the loop reads a little ahead, so it is known before the epoch's last step).
+    counterpart never made). A train loader without ``len`` leaves ``steps_per_epoch`` and ``iters_per_epoch``
+    None, and ``total_steps`` None unless the run's length is in steps; ``epoch_length`` is then the micro-batches
+    of the current epoch once its iterator has ended (the loop reads a little ahead, so it is known before the
+    epoch's last step).
 
     Current iteration: ``phase`` ('train', 'test' or None), ``batch`` (as loaded, on the device),
     ``data`` and ``label`` (the model input and the target split from it), ``output``, ``loss``

@@ -22,7 +22,7 @@ from ..checkpoint.io import (
     atomic_save,
     load_single_file,
 )
-from ..checkpoint.layout import newest_checkpoint, pid_alive
+from ..checkpoint.layout import newest_checkpoint, pid_alive, refuse_file_of_folder
 from ..checkpoint.manager import (
     META_FILE,
     has_sharded_state,
@@ -98,8 +98,8 @@ def save_checkpoint(file, epoch: int, model: nn.Module, optimizer: Optional[torc
     without the ``module.`` prefix. ``kwargs`` are stored too and must be tensors or plain values.
     The file is a plain dict, readable with ``torch.load(file, weights_only=True)``. Returns the
     path on rank 0, ``None`` elsewhere. Under the engine's ``nonfinite_loss='raise'`` (the default) nan/inf
-    weights are refused (``NonFiniteLossError``) and nothing is written. Not a collective (a script may call it on rank 0 alone); ``load_checkpoint``
-    waits for every rank, so a file saved and then loaded is read once written.
+    weights are refused (``NonFiniteLossError``) and nothing is written. Not a collective (a script may call it on
+    rank 0 alone); ``load_checkpoint`` waits for every rank, so a file saved and then loaded is read once written.
     """
     _check_extra(kwargs)
     engine = owning_engine(model, optimizer, lr_scheduler)
@@ -311,9 +311,7 @@ def load_checkpoint_state(state, path: Path, model: nn.Module, optimizer=None, l
     if is_merged(state):
         state = _legacy_view(state, merged_meta(state).get("epoch", -1))
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-        if Path(path).is_file() and (Path(path).parent / META_FILE).is_file():
-            raise CheckpointError(f"{path} is one file of the checkpoint folder {Path(path).parent}, which is read "
-                                  f"whole: give the folder instead ({str(Path(path).parent)!r})")
+        refuse_file_of_folder(path)
         found = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path} is not a save_checkpoint file: it has no 'model' entry (found {found})")
     if optimizer is not None and isinstance(state.get("optimizer"), dict):

@@ -190,8 +190,8 @@ def _restore_rank_state(trainer, path: Path, shared: Dict[str, Any], rank_state:
     if data is not None and callable(load) and same_world:
         load(data)  # the sampler starts after the samples already seen; nothing is loaded to skip them
     if same_world:  # this rank's sums of the epoch so far, the epoch's starting random state and read-ahead
-        trainer.state_registry.load({"metrics": rank_state.get("metrics") or {}, "epoch": rank_state.get("epoch") or {}},
-                                    rank=True)
+        trainer.state_registry.load({"metrics": rank_state.get("metrics") or {},
+                                     "epoch": rank_state.get("epoch") or {}}, rank=True)
     elif rank_state.get("metrics") and trainer.state.batch_idx:
         saved_world = (shared.get("colossal_lite") or {}).get("world_size")
         warnings.warn(f"checkpoint {path} was written by {saved_world} ranks and this run has {world_size()}: the "

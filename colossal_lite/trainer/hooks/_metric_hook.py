@@ -691,8 +691,8 @@ class LRSchedulerHook(MetricHook):
         if by_epoch and in_steps:
             raise ValueError(f"LRSchedulerHook(by_epoch=True) steps {type(lr_scheduler).__name__} once per epoch, but "
                              f"its milestones {in_steps} were resolved to optimizer steps, which it would count as "
-                             f"epochs (the LR would not decay when meant). Fix: pass by_epoch=False, or give the milestones as epoch numbers "
-                             f"(ints) for a scheduler stepped per epoch")
+                             f"epochs (the LR would not decay when meant). Fix: pass by_epoch=False, or give the "
+                             f"milestones as epoch numbers (ints) for a scheduler stepped per epoch")
         self.lr_scheduler = lr_scheduler
         self.by_epoch = bool(by_epoch)
         self.store_lr_in_state = bool(store_lr_in_state)
