@@ -70,7 +70,7 @@ def resnet_work(ctx, compile_opts) -> Work:
     config = dict(fp16=dict(mode=AMP_TYPE.BF16), cudnn_benchmark=True, compile=compile_opts)
     what = "a small CNN standing in for ResNet-18 (dry run)" if ctx.dry else "ResNet-18 (torchvision, random weights)"
     return Work("resnet18", model, _pinned(batches, ctx.cuda), nn.CrossEntropyLoss(), config, 0.0, b,
-                rounds=2 if ctx.dry else 8, block=2 if ctx.dry else 10,
+                rounds=ctx.rounds or (2 if ctx.dry else 8), block=2 if ctx.dry else 10,
                 describe=f"{what}, batch {b} x 3 x {side} x {side}, bf16, channels-last, AdamW, no clipping")
 
 
@@ -109,7 +109,7 @@ def gpt2_work(ctx, compile_opts) -> Work:
     config = dict(fp16=dict(mode=AMP_TYPE.BF16), clip_grad_norm=1.0, compile=compile_opts)
     params = sum(p.numel() for p in model.parameters())
     return Work("gpt2", model, _pinned(batches, ctx.cuda), lm_loss, config, 1.0, b,
-                rounds=2 if ctx.dry else 6, block=2 if ctx.dry else 8,
+                rounds=ctx.rounds or (2 if ctx.dry else 6), block=2 if ctx.dry else 8,
                 describe=f"GPT-2 (transformers GPT2Config, {cfg.n_layer} layers, {cfg.n_embd} wide, {params / 1e6:.0f} M "
                          f"parameters, random weights), batch {b} x {seq} tokens, bf16, AdamW, clip 1.0")
 

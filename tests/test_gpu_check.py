@@ -19,7 +19,7 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path, monkeypatch):
     import gpu_check
 
     expected = [name for name, _, _ in gpu_check.sections()]
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(tmp_path), "--rounds", "1"],
                           cwd=REPO, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""})
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -36,4 +36,33 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path, monkeypatch):
     assert sections["nccl_one_rank"]["status"] == "skipped"
     assert sections["equivalence"]["cases"] and all(c["bitwise"] for c in sections["equivalence"]["cases"].values())
     assert sections["speed_resnet18"]["contestants"].keys() >= {"hand", "engine", "trainer"}
+    assert sections["speed_resnet18"]["rounds"] == 1  # --rounds (the dry run's own is 2)
     assert proc.stdout.rstrip().splitlines()[-1].startswith("total "), "the table is printed last"
+
+
+def test_a_missing_dependency_is_said_once_with_the_package_to_install(tmp_path, monkeypatch):
+    """A library that cannot be imported (one of its dependencies missing) stops the command before any section,
+    naming what to install (on the first GPU lent, zlib-ng was missing and every section failed alone)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gpu_check
+
+    (tmp_path / "needs_a_missing_dep").mkdir()
+    (tmp_path / "needs_a_missing_dep" / "__init__.py").write_text("import zlib_ng_nowhere.zlib_ng\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    message = gpu_check.import_problem("needs_a_missing_dep")
+    assert "pip install zlib-ng-nowhere" in message and "needs_a_missing_dep cannot be imported" in message
+    assert gpu_check.import_problem() is None  # the library itself imports here
+
+
+def test_the_one_rank_section_record_takes_the_workers_result(monkeypatch):
+    """``nccl_one_rank`` (CUDA only, so never run by the dry run) made its record with ``ok`` twice (a TypeError
+    on the first GPU lent)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gpu_check
+
+    rank = {"rank": 0, "all_reduce_ok": True, "cases": {}}
+    record = gpu_check.one_rank_verdict(dict(ok=True, backend="nccl", nproc=1, bitwise_cases="12/12", ranks=[rank]))
+    assert record["status"] == "passed" and record["summary"] == "all-reduce ok; FSDP2 cases bitwise 12/12"
+    assert record["ranks"] == [rank] and "ok" not in record
+    failed = gpu_check.one_rank_verdict(dict(ok=False, bitwise_cases="0/0", ranks=[None]))
+    assert failed["status"] == "failed" and failed["summary"].startswith("all-reduce FAILED")

@@ -25,9 +25,10 @@ class AutoMicroBatcher:
         self.logger = logger
         self._reducer = AllReduceStrategy()
 
-    def run(self, engine, batch, data, label, where=None):
+    def run(self, engine, batch, data, label, where=None, keep_output: bool = True):
         """Forward and backward of one batch (``data``, ``label``: its split; ``batch`` itself, which a model's own
-        loss counts tokens in), split as often as needed; returns (output, loss)."""
+        loss counts tokens in), split as often as needed; returns (output, loss). ``keep_output=False``: no piece's
+        output is kept (the output returned is None), so none lives through the next piece's forward."""
         where = engine.enter_micro_batch(where)
         n = batch_len(data)
         before = _TryState(engine.model)
@@ -36,7 +37,7 @@ class AutoMicroBatcher:
             # each try's first forward brings the ranks' buffers together, as DDP does at an unaccumulated step's
             # (every piece runs without gradient sync, which would otherwise stop it after the first try)
             engine.strategy.sync_buffers_at_next_forward(engine.model)
-            return self._forward_backward(engine, batch, data, label, parts, n, where)
+            return self._forward_backward(engine, batch, data, label, parts, n, where, keep_output)
 
         def undo():
             before.restore()
@@ -50,10 +51,10 @@ class AutoMicroBatcher:
         # as after DDP's own synced forward, the next forward (the next batch's, an evaluation's, a prediction's)
         # brings the ranks' buffers together: every piece ran without sync, which turned that off
         engine.strategy.sync_buffers_at_next_forward(engine.model)
-        return join_samples(outputs), loss
+        return (join_samples(outputs) if keep_output else None), loss
 
     @staticmethod
-    def _forward_backward(engine, batch, data, label, parts: int, n: int, where):
+    def _forward_backward(engine, batch, data, label, parts: int, n: int, where, keep_output: bool):
         """The batch in ``parts`` pieces, each weighed by the gradient reduction as its part of the micro-batch
         ``where`` (a mean's piece by its share of the samples, a sum's or a token mean's as it is);
         -> (outputs, the batch's loss as the reduction joins its pieces' losses)."""
@@ -63,12 +64,14 @@ class AutoMicroBatcher:
             with engine.strategy.no_sync(engine.model):
                 out = call_with(engine.run_model, d)  # the pieces are one micro-batch, entered above
                 loss = engine.compute_loss(out, lab, b)
+                if keep_output:
+                    outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
+                del out  # one not kept is let go before its backward, as the plain step lets it go
                 if not isinstance(loss, torch.Tensor):
                     raise not_a_loss(loss, engine.criterion.wrapped, engine.reduction.name)
                 engine.loss_guard.watch(loss)
                 weight = engine.reduction.loss_weight(loss, where, share=batch_len(d) / n)
                 engine.precision.backward(loss, weight)
-            outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
             losses.append((loss.detach(), weight))
         return outputs, engine.reduction.joined_loss(losses)
 

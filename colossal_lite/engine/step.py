@@ -45,6 +45,10 @@ class TrainStep:
     #: Functions called with no argument as each batch starts to load: a speed report marks there the end of
     #: the wait for data and the start of the host-to-device copy (no event fires between the two).
     before_load: tuple = ()
+    #: Keep the step's output in the record through the backward and the update (the Trainer sets False when
+    #: no hook reads it after the loss: the output, often a language model's large logits, is then let go
+    #: before the backward instead of living through its peak).
+    keep_output: bool = True
 
     def __init__(self, engine, record: Any = None, events: Any = NO_EVENTS, owner: Any = None):
         self.engine = engine
@@ -93,6 +97,8 @@ class TrainStep:
         rec.loss = self.loss(rec.output, rec.label, rec.batch)
         for fn in events.after_loss:
             fn(owner)
+        if not self.keep_output:
+            rec.output = None
         for fn in events.before_backward:
             fn(owner)
         engine.backward(rec.loss, where=where)
@@ -182,7 +188,8 @@ class AutoMicroBatchStep(TrainStep):
         self.load(batch)
         for fn in self.events.before_forward:
             fn(owner)
-        rec.output, rec.loss = engine.auto_batcher.run(engine, rec.batch, rec.data, rec.label, where)
+        rec.output, rec.loss = engine.auto_batcher.run(engine, rec.batch, rec.data, rec.label, where,
+                                                       keep_output=self.keep_output)
         for fn in self.events.after_backward:
             fn(owner)
 

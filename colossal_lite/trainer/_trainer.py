@@ -89,6 +89,17 @@ def _overrides(hook: BaseHook, name: str) -> bool:
     return _class_defines(type(hook), name) or name in getattr(hook, "__dict__", {})
 
 
+#: The events of a training iteration after its loss is computed: a hook handling one of them may read the step's
+#: output there, unless it says it does not (``BaseHook.reads_train_output``).
+_AFTER_LOSS_EVENTS = ("before_backward", "after_backward", "after_grad_norm", "before_optimizer_step",
+                      "after_optimizer_step", "after_train_iter")
+
+
+def _output_read_after_loss(hooks: Sequence[BaseHook]) -> bool:
+    return any(hook.reads_train_output and any(_overrides(hook, name) for name in _AFTER_LOSS_EVENTS)
+               for hook in hooks)
+
+
 #: The points of a run an instrument can take over (``Trainer.instrument``): every event, and ``'before_load'``,
 #: where a training batch starts to load (called with no argument, before its host-to-device copy).
 INSTRUMENT_POINTS = _EVENT_NAMES + ("before_load",)
@@ -553,6 +564,7 @@ class Trainer:
         self._recorder = recorder
         self._h = _Handlers(self.hooks + ([recorder] if recorder is not None else []))
         self._step = make_train_step(self._engine, self.state, self._h, self)
+        self._step.keep_output = _output_read_after_loss(self.hooks)
         if user_step is not None:
             bind = bind_user_step if self.state.fitting else evaluation_step
             self._step = bind(user_step, self, self._h, self._step)

@@ -32,6 +32,12 @@ class BaseHook:
     #: The folder this hook keeps the run in (a checkpoint hook's), where ``fit`` writes the metrics file when
     #: no ``log_dir`` is given; None for hooks that keep none.
     run_folder = None
+    #: Whether this hook may read a training step's output (``state.output``, or ``after_train_iter``'s
+    #: ``output``) in an event after the loss: ``before_backward`` to ``after_train_iter``. When no hook that
+    #: handles those events reads it, the trainer lets the output go before the backward, as a hand loop
+    #: writing ``loss = criterion(model(x), y)`` does (a language model's logits are often the step's largest
+    #: tensor); those events then see ``None``. A hook of your own keeps it unless it sets this to False.
+    reads_train_output: bool = True
 
     def __init__(self, priority: Optional[int] = None) -> None:
         if priority is not None:

@@ -76,6 +76,8 @@ class SaveCheckpointHook(BaseHook):
     inside an accumulation window, whose gradients are then saved too).
     """
 
+    reads_train_output = False  # (BaseHook.reads_train_output)
+
     def __init__(self, interval: Union[int, str, Time, Sequence[Union[int, str, Time]]] = 1,
                  checkpoint_dir: Optional[str] = None, model=None,
                  save_by_iter: bool = False, priority: int = 10, save_last: bool = True,

@@ -43,6 +43,8 @@ class EMAHook(BaseHook):
     its own copy, equal on every rank as the weights are under data parallelism.
     """
 
+    reads_train_output = False  # (BaseHook.reads_train_output)
+
     def __init__(self, decay: float = 0.999, priority: int = 5):
         super().__init__(priority)
         if not 0.0 <= decay <= 1.0:

@@ -92,6 +92,8 @@ class TensorboardHook(BaseHook):
     (inside ``parallel_mode``) that write; None = all.
     """
 
+    reads_train_output = False  # (BaseHook.reads_train_output)
+
     flush_every = 256  # buffered points before a write
 
     def __init__(self, log_dir: str, ranks: Optional[Iterable[int]] = None,
@@ -178,6 +180,8 @@ class LogTimingByEpochHook(LogByEpochHook):
     becomes the Trainer's timer for the run. The first ``ignore_num_train_steps`` training iterations
     are left out of the step mean (warm-up). Timing waits for the device at each timer start/stop.
     """
+
+    reads_train_output = False  # (BaseHook.reads_train_output)
 
     def __init__(self, timer: Optional[MultiTimer], logger=None, interval: Union[int, str, Time] = 1, priority: int = 10,
                  log_eval: bool = True, ignore_num_train_steps: int = 0):

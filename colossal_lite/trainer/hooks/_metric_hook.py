@@ -524,6 +524,8 @@ class LossHook(MetricHook):
     """Train and test ``'Loss'``: the mean loss per sample of the epoch (per real token under
     ``grad_reduction='per-token-mean'``)."""
 
+    reads_train_output = False  # (BaseHook.reads_train_output)
+
     def __init__(self, priority: int = 0):
         super().__init__(priority)
 
@@ -675,6 +677,8 @@ class LRSchedulerHook(MetricHook):
     after each evaluation for a test metric.
     """
 
+    reads_train_output = False  # (BaseHook.reads_train_output)
+
     def __init__(self, lr_scheduler, by_epoch: bool, store_lr_in_state: bool = True, priority: int = 1,
                  monitor: Optional[str] = None):
         super().__init__(priority)
@@ -795,6 +799,8 @@ class ThroughputHook(MetricHook):
     Each iteration is timed on the host clock from the end of the previous one, so the figure includes
     data loading; at the epoch's end the device is waited for once, so queued work is counted.
     """
+
+    reads_train_output = False  # (BaseHook.reads_train_output)
 
     def __init__(self, ignored_steps: int = 0, priority: int = 10, tflop_per_step: float = 0, use_local: bool = False):
         super().__init__(priority)

@@ -76,6 +76,8 @@ class ProfilerHook(BaseHook):
     its hooks are detached (what an active cycle recorded is written then).
     """
 
+    reads_train_output = False  # (BaseHook.reads_train_output)
+
     def __init__(self, wait: int = 1, warmup: int = 1, active: int = 3, dir=None, *, skip_first: int = 0,
                  repeat: int = 1, ranks: Optional[Iterable[int]] = (0,), record_shapes: bool = False,
                  profile_memory: bool = False, with_stack: bool = False, print_summary: bool = False,
