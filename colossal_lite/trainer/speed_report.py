@@ -72,7 +72,18 @@ _SUGGESTIONS = {
     "evaluation": "evaluate less often (fit's test_interval) or on a smaller test set",
     "loop": "display_progress=False; for a loader without len this is also its wait for data (give it a len)",
     "host syncs": "host syncs stall the device: remove the .item()/.cpu()/print of tensors at the places listed",
+    "unpinned batch": "the batch's copy to the device waits for it: pin_memory=True in the DataLoader (or a "
+                      "dataset that returns pinned tensors), so the copy runs beside the device's work",
+    "hook:Recorder": "the Trainer's metric history and trackers take {ms} ms per step: record fewer values per "
+                     "step (LogMetricByStepHook, a tracker's own logging interval)",
 }
+
+#: A sync site that is the library's own copy of a batch to the device (``engine/batch.py``): it waits when the
+#: batch is in memory that is not pinned, which the user fixes in their loader, not at the line.
+UNPINNED_BATCH_SITE = "the batch's copy to the device from memory that is not pinned"
+
+#: Parts the Trainer adds to every fit, timed as hooks are, named for a user who never added them.
+_OWN_PARTS = {"Recorder": "the Trainer's metric history and trackers"}
 
 
 @dataclass
@@ -134,7 +145,8 @@ def _rows(figures: SpeedFigures) -> List[tuple]:
                                                f"operators per micro-batch, {compute / ops * 1e6:.1f} us each)"))
     for key, value in seconds.items():
         if key.startswith(HOOK_PREFIX):
-            rows.append((key, value, f"the hook {key[len(HOOK_PREFIX):]}"))
+            name = key[len(HOOK_PREFIX):]
+            rows.append((key, value, _OWN_PARTS.get(name, f"the hook {name}")))
         elif key in PHASES:
             rows.append((key, value, PHASES[key]))
     return rows
@@ -147,15 +159,21 @@ def rank_causes(figures: SpeedFigures) -> List[Cause]:
     causes = []
     for key, value, what in sorted(rows, key=lambda row: -row[1]):
         if key.startswith(HOOK_PREFIX):
-            per_step = value / max(figures.steps, 1) * 1e3
-            suggestion = (f"{key[len(HOOK_PREFIX):]} takes {per_step:.3g} ms per step: run it less often or move "
-                          f"its work off the step")
+            per_step = f"{value / max(figures.steps, 1) * 1e3:.3g}"
+            suggestion = _SUGGESTIONS[key].format(ms=per_step) if key in _SUGGESTIONS else \
+                f"{key[len(HOOK_PREFIX):]} takes {per_step} ms per step: run it less often or move its work off the step"
         else:
             suggestion = _SUGGESTIONS.get(key, "")
         causes.append(Cause(key, value, value / total, what, suggestion))
     if figures.sync_sites:
-        causes.insert(0, Cause("host syncs", 0.0, 0.0, "host-device syncs on the step: " +
-                               ", ".join(figures.sync_sites), _SUGGESTIONS["host syncs"]))
+        unpinned = [site for site in figures.sync_sites if site.startswith(UNPINNED_BATCH_SITE)]
+        if unpinned:
+            causes.insert(0, Cause("unpinned batch", 0.0, 0.0, "host-device syncs on the step: " + ", ".join(unpinned),
+                                   _SUGGESTIONS["unpinned batch"]))
+        others = [site for site in figures.sync_sites if site not in unpinned]
+        if others:
+            causes.insert(0, Cause("host syncs", 0.0, 0.0, "host-device syncs on the step: " + ", ".join(others),
+                                   _SUGGESTIONS["host syncs"]))
     return causes
 
 

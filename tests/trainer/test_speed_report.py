@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import colossal_lite
+import colossal_lite.engine.batch as batch_module
 from colossal_lite.cli import main as cli_main
 from colossal_lite.core.global_context import global_context as gpc
 from colossal_lite.trainer import Trainer
@@ -27,6 +28,7 @@ from colossal_lite.trainer.hooks import (
     SpeedReportHook,
     ThroughputHook,
 )
+from colossal_lite.trainer.hooks._speed import sync_site
 from colossal_lite.trainer.speed_report import SpeedFigures, figures_from_records, format_report, rank_causes
 from colossal_lite.utils.metrics_file import read_metrics
 
@@ -437,6 +439,24 @@ def test_causes_are_ranked_with_one_suggestion_each():
     assert causes[3].suggestion.startswith("EMAHook takes 50 ms per step")
     text = format_report(figures)
     assert text.splitlines()[0] == "Speed report: 10 optimizer steps on 2 rank(s), 100 samples/s (50 per rank)"
+
+
+def test_the_librarys_own_parts_are_named_for_what_a_user_can_change():
+    """What the first GPU run's report said in the library's own words: a sync at ``batch.py:19`` with "remove the
+    .item()" (it was the copy of a batch from memory that is not pinned), and "the hook Recorder" (the Trainer's
+    history, which the user never added)."""
+    unpinned = sync_site(batch_module.__file__, 19)
+    assert unpinned == "the batch's copy to the device from memory that is not pinned (batch.py:19)"
+    assert sync_site("/home/me/train.py", 42) == "train.py:42"
+    figures = SpeedFigures(seconds={"forward": 1.0, "hook:Recorder": 0.2}, steps=10, micro_batches=10, world_size=1,
+                           samples_per_s=100.0, sync_sites=[f"{unpinned} (6x)", "train.py:42 (10x)"])
+    causes = rank_causes(figures)
+    assert [c.key for c in causes] == ["host syncs", "unpinned batch", "forward", "hook:Recorder"]
+    assert causes[0].what == "host-device syncs on the step: train.py:42 (10x)" and ".item()" in causes[0].suggestion
+    assert "(batch.py:19) (6x)" in causes[1].what and "pin_memory=True" in causes[1].suggestion
+    assert causes[3].what == "the Trainer's metric history and trackers"
+    assert causes[3].suggestion.startswith("the Trainer's metric history and trackers take 20 ms per step")
+    assert "Recorder" not in format_report(figures)
 
 
 def test_a_fit_too_short_to_measure_a_step_says_so_instead_of_ranking_its_end():

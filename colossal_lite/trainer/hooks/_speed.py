@@ -20,11 +20,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ...core.dist import all_reduce_sum_, log_rank_0, world_size
+from ...engine import batch as _batch_module
 from ...engine.batch import call_criterion, call_with
 from ...logging import get_dist_logger
 from ...utils.flops import StepFlops, compute_kind, count_step_flops, peak_flops
 from .._timeline import Timeline, make_clock
-from ..speed_report import HOOK_PREFIX, PHASES, TAIL, SpeedFigures, format_report
+from ..speed_report import HOOK_PREFIX, PHASES, TAIL, UNPINNED_BATCH_SITE, SpeedFigures, format_report
 from ._metric_hook import Metric, MetricHook, samples_in
 from ._utils import device_of
 
@@ -104,6 +105,15 @@ def shared_out(seconds: Dict[str, float], basis: Dict[str, float]) -> Dict[str, 
     for key, value in weights.items():
         out[key] = out.get(key, 0.0) + unsampled * value / total
     return out
+
+
+def sync_site(filename: str, lineno: int) -> str:
+    """How the report names the Python line of a host sync: ``file.py:line``, or what the library's own batch copy
+    waits for (a batch in memory that is not pinned)."""
+    site = f"{os.path.basename(filename)}:{lineno}"
+    if os.path.abspath(filename) == os.path.abspath(_batch_module.__file__):
+        return f"{UNPINNED_BATCH_SITE} ({site})"
+    return site
 
 
 class _Breakdown:
@@ -622,7 +632,7 @@ class SpeedReportHook(MetricHook):
         self._sync_catcher.__exit__(None, None, None)
         for caught in self._sync_watch:
             if "synchroniz" in str(caught.message):
-                site = f"{os.path.basename(caught.filename)}:{caught.lineno}"
+                site = sync_site(caught.filename, caught.lineno)
                 self.sync_counts[site] = self.sync_counts.get(site, 0) + 1
         self._sync_watch = False  # (watched once per fit)
 
