@@ -15,7 +15,7 @@ from colossal_lite.engine.engine import Engine
 from colossal_lite.trainer import Trainer
 from colossal_lite.trainer.history import is_measured
 from colossal_lite.trainer.hooks import LossHook, LRSchedulerHook, SaveCheckpointHook
-from colossal_lite.trainer.trackers import MLflowTracker
+from colossal_lite.trainer.trackers import MLflowTracker, RunInfo
 from colossal_lite.utils import get_dataloader
 
 mlflow = pytest.importorskip("mlflow")  # (in the dev extra; skipped only where the extra is not installed)
@@ -100,6 +100,25 @@ def test_a_run_resumed_from_an_earlier_checkpoint_sends_its_own_values_after_it(
         assert sorted(latest.items()) == history.series(name), name
     logged = capsys.readouterr()
     assert (logged.out + logged.err).count("already holds other values from step 5 on") == 1
+
+
+def test_a_nan_record_sent_before_is_not_taken_for_another_value(store, capsys):
+    """A figure the run had not got is NaN (``NaN != NaN``): a resumed process replaying it sent it again and warned
+    that the run held other values."""
+    first = MLflowTracker(experiment="digits", tracking_uri=store)
+    first.start(RunInfo(log_dir=None))
+    first.log_metrics({"train/mfu": float("nan"), "train/Loss": 0.5}, step=3, epoch=0, time=1.0)
+    first.finish("KILLED")
+    resumed = MLflowTracker(experiment="digits", tracking_uri=store)
+    resumed.load_state_dict(first.state_dict())
+    resumed.start(RunInfo(log_dir=None))
+    resumed.log_metrics({"train/mfu": float("nan"), "train/Loss": 0.5}, step=3, epoch=0, time=2.0)
+    resumed.finish()
+    client, (run,) = runs(store)
+    for name in ("train/mfu", "train/Loss"):
+        assert len(client.get_metric_history(run.info.run_id, name)) == 1, name
+    logged = capsys.readouterr()
+    assert "already holds other values" not in logged.out + logged.err
 
 
 def test_without_mlflow_the_error_names_the_extra(tmp_path):

@@ -1,6 +1,7 @@
 """``MLflowTracker``: the run's records, config and final checkpoint in one MLflow run."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -104,8 +105,8 @@ class MLflowTracker(Tracker):
         batch = []
         for name, value in metrics.items():
             earlier = self._sent.get(name, {}).get(step)
-            if earlier is not None and earlier == value:
-                continue
+            if earlier is not None and (earlier == value or (math.isnan(earlier) and math.isnan(value))):
+                continue  # (a figure the run had not got is NaN both times: the same record)
             if earlier is not None and not self._warned_resent:
                 self._warned_resent = True
                 get_dist_logger().warning(
