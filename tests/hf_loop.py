@@ -145,12 +145,14 @@ def hand_loss(row: str, model, batch):
 
 def hand_loop(row: str, prec: str, parallel: str, rank: int, counter: CollectiveCounter):
     """Returns (model, losses). The token row weighs each micro-batch's mean loss by its real tokens and divides the
-    window's sum by the window's tokens over every rank, as a per-token mean over the global batch is written."""
+    window's sum by the window's tokens over every rank, as a per-token mean over the global batch is written when
+    the window's count is known only at its end; the weights carry a power of two near 1 / the last window's tokens
+    per rank (``unit``), which keeps fp16 loss scaling's gradients of a per-token mean's size."""
     model = wrap_by_hand(model_for(row), parallel, counter)
     optimizer = hand_optimizer(model, parallel)
     dtype = dict(fp32=None, bf16=torch.bfloat16, fp16=torch.float16)[prec]
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, enabled=prec == "fp16")
-    losses, tokens = [], None
+    losses, tokens, unit = [], None, torch.ones(())
     for batch, (first, last, size) in zip(batches(row, rank), windows()):
         counter.begin()
         if first:
@@ -165,7 +167,7 @@ def hand_loop(row: str, prec: str, parallel: str, rank: int, counter: Collective
             if n is None:
                 scaler.scale(loss / size).backward()
             else:
-                scaler.scale(loss * n).backward()
+                scaler.scale(loss * (n * unit)).backward()
                 tokens += n
         losses.append(float(loss.detach().float()))
         if last:
@@ -174,7 +176,8 @@ def hand_loop(row: str, prec: str, parallel: str, rank: int, counter: Collective
                 if world() > 1:
                     dist.all_reduce(total)
                 for p in model.parameters():
-                    p.grad.mul_(world() / total)
+                    p.grad.mul_(world() / total / unit)
+                unit = torch.exp2(-torch.floor(torch.log2((total / world()).clamp(min=1))))
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             scaler.step(optimizer)

@@ -115,6 +115,12 @@ class TokenMeanReduction(MeanReduction):
         super().__init__()
         self._micro_tokens: Optional[torch.Tensor] = None  # the last criterion's real-token count
         self.tokens: Optional[torch.Tensor] = None  # real tokens of the open window on this rank
+        #: A power of two near 1 / the real tokens a window held per rank (set at each step from the global count,
+        #: so the same on every rank; None: 1). Each backward starts from its token count times it, which makes the
+        #: window's gradients of a per-token mean's size before the step divides them by the global count, as a
+        #: loop that divides by the window's count beforehand has them: fp16 loss scaling then does not overflow
+        #: on a window's token count. A power of two changes no rounding, so the update is the same, bit for bit.
+        self._unit: Optional[torch.Tensor] = None
 
     def loss_count(self, samples):
         """The last loss's real tokens (a device tensor, weighed without reading it), else its samples."""
@@ -160,29 +166,38 @@ class TokenMeanReduction(MeanReduction):
         n = torch.as_tensor(n, dtype=torch.float32, device=loss.device)  # (the same tensor when it is one already)
         self.tokens = n if self.tokens is None else self.tokens + n
         self.last_tokens = n
-        return n.to(loss.dtype)  # back to the micro-batch's token sum; divided by the global count at the step
+        weight = n if self._unit is None else n * self._unit
+        return weight.to(loss.dtype)  # back to the micro-batch's token sum (times the unit); divided at the step
 
     def joined_loss(self, parts):
         """The pieces' per-token means weighed by their token counts: the micro-batch's per-token mean."""
         if len(parts) == 1:
             return parts[0][0]
         tokens = sum(weight for _, weight in parts)
+        joined = super().joined_loss([(_where_counted(weight, loss), weight) for loss, weight in parts])
+        if self._unit is not None:  # (the weights carry the unit: a power of two, taken off exactly)
+            tokens, joined = tokens / self._unit, joined / self._unit
         self.last_tokens = tokens
-        return super().joined_loss([(_where_counted(weight, loss), weight) for loss, weight in parts]) / tokens.clamp(min=1)
+        return joined / tokens.clamp(min=1)
 
     def finish(self, params, closing):
         total = self.tokens if self.tokens is not None else torch.zeros(())
         total = all_reduce_sum_(total.clone())  # every rank: the global real-token count
-        rescale_grads_(params, world_size() / total.clamp(min=1))
+        world = world_size()
+        factor = world / total.clamp(min=1)
+        rescale_grads_(params, factor if self._unit is None else factor / self._unit)
+        self._unit = torch.exp2(-torch.floor(torch.log2((total / world).clamp(min=1))))  # (for the next windows)
 
     def reset(self):
         self.tokens = None
 
     def state_dict(self):
-        return {"tokens": None if self.tokens is None else self.tokens.detach().clone()}
+        return {"tokens": None if self.tokens is None else self.tokens.detach().clone(),
+                "unit": None if self._unit is None else self._unit.detach().clone()}
 
     def load_state_dict(self, state):
         self.tokens = state.get("tokens")
+        self._unit = state.get("unit")  # (None in a checkpoint from before the unit: 1, as it was then)
 
 
 def _where_counted(tokens: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:

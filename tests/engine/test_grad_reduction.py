@@ -264,3 +264,52 @@ def test_a_micro_batch_with_no_real_token_weighs_nothing_and_is_not_a_non_finite
     for p, q in zip(model.inner.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q)
     assert history["train/Loss"][-1] == pytest.approx(loss.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["TORCH", "NAIVE"])
+def test_per_token_mean_under_fp16_loss_scaling_skips_no_more_updates_than_a_loop_dividing_first(launched, mode):
+    """Each backward starts from its micro-batch's token count (the window's global count is known only at the
+    step): with 600 tokens a micro-batch, the gradients were 600 times a per-token mean's, times the loss scale,
+    and fp16 overflowed on the windows until the scale had halved about ten times (2 or 3 of 10 updates applied,
+    where the loop a Hugging Face user writes, dividing each loss by the window's token count before its backward, applies
+    all 10). The count is now weighed by a power of two near 1 / the last window's tokens per rank: only the first
+    window, whose count nobody knows yet, can overflow."""
+    from colossal_lite.amp import AMP_TYPE
+
+    g = torch.Generator().manual_seed(5)
+    windows = []
+    for _ in range(10):
+        window = []
+        for _ in range(2):
+            x = torch.randn(4, 150, 4, generator=g)
+            y = torch.randint(0, VOCAB, (4, 150), generator=g)
+            window.append((x, y))
+        windows.append(window)
+    launched(dict(gradient_accumulation=2, grad_reduction="per-token-mean",
+                  fp16=dict(mode=getattr(AMP_TYPE, mode))))
+    model = build()
+    engine, *_ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01), token_loss,
+                                          verbose=False)
+    for window in windows:
+        for x, y in window:
+            engine.zero_grad()
+            engine.backward(engine.criterion(engine(x), y))
+            engine.step()
+    # the hand loop: fp16 autocast, a GradScaler with the same initial scale, each loss divided by the window's count
+    ref = build()
+    optimizer = torch.optim.SGD(ref.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    applied = 0
+    for window in windows:
+        count = sum((y != PAD).sum() for _, y in window)
+        for x, y in window:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss_sum, _ = token_loss(ref(x), y)
+            scaler.scale(loss_sum / count).backward()
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        applied += scaler.get_scale() >= scale
+        optimizer.zero_grad(set_to_none=True)
+    assert applied == 10
+    assert engine.num_updates == 9  # the first window overflows: its unit is 1
