@@ -59,6 +59,16 @@ def return_large_frees_to_the_system() -> bool:
     return ok
 
 
+def ranks_mesh(model: nn.Module):
+    """All ranks as a one-dimensional device mesh of the model's device type. Without one, FSDP2 builds a mesh for
+    the machine's accelerator and moves the parameters there: a run launched with ``device='cpu'`` on a machine
+    with GPUs would have every rank's model put on the first GPU while the engine feeds it host tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
 def _on_cpu(model: nn.Module) -> bool:
     """True when training runs in host memory (with a GPU, the per-step buffers are device memory)."""
     return any(p.device.type == "cpu" for p in model.parameters())
@@ -184,6 +194,7 @@ class FSDPStrategy(SingleProcess):
         self.param_dtype = param_dtype
         self.name = f"ZeRO stage {stage} (FSDP2 fully_shard)"
         self._root: Optional[nn.Module] = None
+        self._mesh = None  # the ranks, on the model's device type (FSDP2's default is the machine's accelerator)
         self.host_buffers: Optional[HostBufferPool] = None  # stage 3 on the CPU: the collectives' buffers, kept
         self._sync = True  # FSDP2's own default: gradients are reduce-scattered in every backward
 
@@ -195,6 +206,7 @@ class FSDPStrategy(SingleProcess):
         if on_cpu:
             return_large_frees_to_the_system()
         group_names = _group_param_names(model, optimizer)
+        self._mesh = ranks_mesh(model)
         units = block_units(model, self.shard_modules)
         norms = statistics_norms(model) if self.param_dtype is not None else []
         if norms:  # one full-precision unit for all of them, sharded first so the blocks leave their parameters
@@ -219,7 +231,7 @@ class FSDPStrategy(SingleProcess):
 
         reduce_dtype = torch.float32 if param_dtype is not None else None
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.offload else OffloadPolicy()
-        return dict(reshard_after_forward=self.reshard, offload_policy=offload,
+        return dict(mesh=self._mesh, reshard_after_forward=self.reshard, offload_policy=offload,
                     mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
 
     def set_gradient_sync(self, model, sync):
