@@ -4,6 +4,7 @@ import json
 import logging
 import re
 import time
+import warnings
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from colossal_lite.trainer.hooks import (
     SpeedReportHook,
     ThroughputHook,
 )
-from colossal_lite.trainer.hooks._speed import sync_site
+from colossal_lite.trainer.hooks._speed import SyncWatch, sync_site
 from colossal_lite.trainer.speed_report import SpeedFigures, figures_from_records, format_report, rank_causes
 from colossal_lite.utils.metrics_file import read_metrics
 
@@ -457,6 +458,25 @@ def test_the_librarys_own_parts_are_named_for_what_a_user_can_change():
     assert causes[3].what == "the Trainer's metric history and trackers"
     assert causes[3].suggestion.startswith("the Trainer's metric history and trackers take 20 ms per step")
     assert "Recorder" not in format_report(figures)
+
+
+def _a_sync():
+    warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)  # the sync debug mode's
+
+
+def test_watching_for_syncs_keeps_every_other_warning():
+    """The watch catches every warning to find the sync debug mode's (GPU runs only): the user's own, torch's and
+    a checkpoint writer's were dropped for its steps (found by reading the CUDA-only paths). They are shown again
+    when it stops, once each; the syncs are counted by line."""
+    with pytest.warns(RuntimeWarning, match="the user's own warning") as shown:
+        watch = SyncWatch()
+        for _ in range(3):
+            _a_sync()
+            warnings.warn("the user's own warning", RuntimeWarning, stacklevel=1)
+        assert not shown.list  # (held while the watch runs)
+        counts = watch.stop()
+    assert len([w for w in shown if "user's own" in str(w.message)]) == 1
+    assert list(counts.values()) == [3] and next(iter(counts)).startswith("test_speed_report.py:")
 
 
 def test_a_fit_too_short_to_measure_a_step_says_so_instead_of_ranking_its_end():

@@ -116,6 +116,32 @@ def sync_site(filename: str, lineno: int) -> str:
     return site
 
 
+class SyncWatch:
+    """The warnings of a few steps, caught to find torch's sync debug mode's: ``stop`` counts those by Python line
+    and shows every other warning again, once each, under the filters then in force (catching them all is the
+    only way to see the syncs, and a user's own warnings, torch's, or a checkpoint writer's must not be lost)."""
+
+    def __init__(self):
+        self._catcher = warnings.catch_warnings(record=True)
+        self._caught = self._catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def stop(self) -> Dict[str, int]:
+        """The syncs seen, by site (``sync_site``)."""
+        self._catcher.__exit__(None, None, None)
+        counts: Dict[str, int] = {}
+        others: Dict[tuple, Any] = {}
+        for caught in self._caught:
+            if "synchroniz" in str(caught.message):
+                site = sync_site(caught.filename, caught.lineno)
+                counts[site] = counts.get(site, 0) + 1
+            else:
+                others.setdefault((str(caught.message), caught.category, caught.filename, caught.lineno), caught)
+        for caught in others.values():
+            warnings.warn_explicit(caught.message, caught.category, caught.filename, caught.lineno, source=caught.source)
+        return counts
+
+
 class _Breakdown:
     """The phase timing of one fit: which optimizer steps are sampled, and the functions that mark a sampled
     step's phases and time its hooks' handlers, put in place through ``Trainer.instrument`` for those steps.
@@ -330,7 +356,7 @@ class SpeedReportHook(MetricHook):
         self._steps_seen = self._micro_samples = self._iteration = 0
         self._recorded_epoch = trainer.state.epoch  # the epoch of the last epoch record (the time after it: its)
         self._tokens: Any = None
-        self._sync_watch: Any = None  # the warnings caught while torch's sync debug mode is on (False: done)
+        self._sync_watch: Any = None  # a SyncWatch while torch's sync debug mode is on (False: done)
         self.sync_counts: Dict[str, int] = {}  # host syncs seen on a GPU, by Python line
         self._register(trainer)
         if self.breakdown:
@@ -619,21 +645,16 @@ class SpeedReportHook(MetricHook):
 
     def _watch_syncs(self, start: bool) -> None:
         """On a GPU, start or stop torch's sync debug mode ("warn"); each sync's Python line is counted."""
-        watching = isinstance(self._sync_watch, list)
+        watching = isinstance(self._sync_watch, SyncWatch)
         if self._engine.device.type != "cuda" or (start and self._sync_watch is not None) or not (start or watching):
             return
         if start:
-            self._sync_catcher = warnings.catch_warnings(record=True)
-            self._sync_watch = self._sync_catcher.__enter__()
-            warnings.simplefilter("always")
+            self._sync_watch = SyncWatch()
             torch.cuda.set_sync_debug_mode("warn")
             return
         torch.cuda.set_sync_debug_mode("default")
-        self._sync_catcher.__exit__(None, None, None)
-        for caught in self._sync_watch:
-            if "synchroniz" in str(caught.message):
-                site = sync_site(caught.filename, caught.lineno)
-                self.sync_counts[site] = self.sync_counts.get(site, 0) + 1
+        for site, n in self._sync_watch.stop().items():
+            self.sync_counts[site] = self.sync_counts.get(site, 0) + n
         self._sync_watch = False  # (watched once per fit)
 
     def _release(self) -> None:
