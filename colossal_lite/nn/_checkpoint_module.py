@@ -47,14 +47,20 @@ class CheckpointModule(nn.Module):
 
     def _checkpoint_offloaded(self, args, kwargs):
         """The checkpoint's inputs held on the CPU; each goes back to its own device inside the recomputed
-        function (autograd carries the gradient across both copies)."""
+        function (autograd carries the gradient across both copies).
+
+        torch saves and restores the random state of the devices of the tensors the checkpoint is given, so that
+        the recomputation draws what the forward drew (dropout's mask): with the inputs on the CPU it would see
+        no accelerator. An empty tensor on each of the inputs' devices goes in with them (``run`` leaves them)."""
         devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
         kw_devices = {k: v.device if isinstance(v, torch.Tensor) else None for k, v in kwargs.items()}
+        anchors = tuple(torch.empty(0, device=d) for d in dict.fromkeys([*devices, *kw_devices.values()])
+                        if d is not None and d.type != "cpu")
 
-        def run(*host_args, **host_kwargs):
-            moved = [_to(a, d) for a, d in zip(host_args, devices)]
+        def run(*inputs, **host_kwargs):
+            moved = [_to(a, d) for a, d in zip(inputs[len(anchors):], devices)]
             return self._forward(*moved, **{k: _to(v, kw_devices[k]) for k, v in host_kwargs.items()})
 
         cpu = torch.device("cpu")
-        return checkpoint(run, *[_to(a, cpu) for a in args], use_reentrant=False,
+        return checkpoint(run, *anchors, *[_to(a, cpu) for a in args], use_reentrant=False,
                           **{k: _to(v, cpu) for k, v in kwargs.items()})

@@ -130,6 +130,33 @@ def test_offload_keeps_what_backward_needs_off_the_gpu(checkpoint):
         torch.testing.assert_close(a, b)
 
 
+class DropoutBlock(CheckpointModule):
+    def __init__(self, offload):
+        super().__init__(checkpoint=True, offload=offload)
+        self.fc, self.drop = nn.Linear(256, 256), nn.Dropout(0.5)
+
+    def _forward(self, h):
+        return self.fc(self.drop(torch.relu(self.fc(h))))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the accelerator's random state is what is checked")
+def test_offloaded_checkpointing_recomputes_with_the_forwards_dropout_mask():
+    """With the inputs held on the CPU, torch saw no accelerator among the checkpoint's inputs and did not save its
+    random state: the recomputation drew another dropout mask, and the gradients were silently wrong (found by
+    reading the CUDA-only paths). Offloaded and kept on the device, the gradients are the same bit for bit."""
+    grads = {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        block = DropoutBlock(offload).cuda()
+        x = torch.randn(64, 256, device="cuda", requires_grad=True)
+        torch.cuda.manual_seed(1)
+        block(x).square().mean().backward()
+        grads[offload] = [x.grad.cpu()] + [p.grad.cpu() for p in block.parameters()]
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.equal(a, b)
+
+
 def test_a_subclass_without_forward_says_what_to_write():
     with pytest.raises(NotImplementedError, match="implement _forward"):
         CheckpointModule(checkpoint=False)(torch.zeros(1))
