@@ -70,6 +70,8 @@ def launch(config, rank: int, world_size: int, host: str, port: int, backend: Op
     check_zero_world_size(cfg, world_size)
     on_gpu = _wants_gpu(device)
     backend = _backend_for(backend, on_gpu, world_size)
+    if on_gpu:
+        check_gpus_per_node(backend, int(os.environ.get("LOCAL_WORLD_SIZE") or 0), torch.cuda.device_count())
     timeout = float(timeout if timeout is not None else cfg.get("dist_timeout", DEFAULT_TIMEOUT_S))
     if local_rank is None:
         local_rank = rank % torch.cuda.device_count() if on_gpu else rank
@@ -121,6 +123,16 @@ def _backend_for(backend: Optional[str], on_gpu: bool, world_size: int) -> str:
         return "gloo"
     raise RuntimeError(f"backend='nccl' needs GPUs, but the processes train on the CPU ({where}). Fix: "
                        f"backend='gloo' (or backend=None, which picks gloo on the CPU)")
+
+
+def check_gpus_per_node(backend: str, local_processes: int, gpus: int) -> None:
+    """NCCL gives each process a GPU of its own and refuses two processes on one; with more processes on the node
+    than GPUs its own error comes from inside the group's start, where it reads like a network failure."""
+    if backend == "nccl" and local_processes > gpus:
+        raise RuntimeError(f"{local_processes} processes on this node, {gpus} GPU(s): NCCL needs a GPU for each "
+                           f"process and refuses two on one. Fix: start at most {gpus} per node "
+                           f"(torchrun --nproc_per_node {gpus}), or backend='gloo', which lets processes share a GPU "
+                           f"(slower)")
 
 
 def _start_group(backend: str, rank: int, world_size: int, host, port, timeout: float, device) -> None:

@@ -74,6 +74,18 @@ def test_nccl_for_several_processes_on_the_cpu_is_refused_before_any_group_start
         launch({}, rank=0, world_size=2, host="127.0.0.1", port=1, backend="nccl", verbose=False)
 
 
+def test_more_processes_than_gpus_on_a_node_under_nccl_is_refused_with_the_fix(cuda_is_there, monkeypatch):
+    """NCCL refuses two processes on one GPU, from inside the group's start, where the launch's message blamed the
+    network (found by reading the CUDA-only paths). Refused before any GPU is chosen or group started."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"^2 processes on this node, 1 GPU\(s\): NCCL needs a GPU for each process "
+                                           r"and refuses two on one\. Fix: start at most 1 per node \(torchrun "
+                                           r"--nproc_per_node 1\), or backend='gloo'"):
+        launch({}, rank=1, world_size=2, host="127.0.0.1", port=1, verbose=False)
+    assert not dist.is_initialized()
+
+
 def test_device_cuda_without_cuda_is_refused_with_the_fix(no_cuda):
     with pytest.raises(RuntimeError, match=r"launch\(device='cuda'\): torch.cuda.is_available\(\) is False .* "
                                            r"Fix: launch\(\.\.\., device='cpu'\)"):
