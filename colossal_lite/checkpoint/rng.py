@@ -33,6 +33,9 @@ def capture_rng_state() -> Dict[str, Any]:
     state["torch"] = torch.get_rng_state()
     if torch.cuda.is_available():
         state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+        # the generator this rank draws from: a resume where the ranks see their GPUs at other indices (another
+        # CUDA_VISIBLE_DEVICES or number of processes per node) gives it back to the rank's own device
+        state["cuda_current"] = torch.cuda.get_rng_state(torch.cuda.current_device()).cpu()
     return state
 
 
@@ -65,3 +68,5 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
                               f"sees {n}; the first {min(n, len(saved))} were restored", stacklevel=2)
             for i, s in enumerate(saved[:n]):
                 torch.cuda.set_rng_state(s.to(torch.uint8), device=i)
+            if "cuda_current" in state:  # (a checkpoint from before it holds the devices by index only)
+                torch.cuda.set_rng_state(state["cuda_current"].to(torch.uint8), device=torch.cuda.current_device())

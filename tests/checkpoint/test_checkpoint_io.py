@@ -149,6 +149,34 @@ def test_rng_state_round_trips_through_a_safe_file(tmp_path):
     assert isinstance(loaded["python"]["state"], list)
 
 
+class TwoGpus:
+    """torch.cuda's generator calls on a machine with two GPUs (there is none here): a state per device index."""
+
+    def __init__(self, monkeypatch, current: int):
+        self.states = {0: torch.full((8,), 10, dtype=torch.uint8), 1: torch.full((8,), 11, dtype=torch.uint8)}
+        self.current = current
+        for name, fn in dict(is_available=lambda: True, device_count=lambda: 2, current_device=lambda: self.current,
+                             get_rng_state_all=lambda: [self.states[0], self.states[1]],
+                             get_rng_state=lambda device: self.states[device],
+                             set_rng_state=self._set).items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+    def _set(self, state, device):
+        self.states[device] = state.clone()
+
+
+def test_a_resume_on_another_gpu_index_gives_the_rank_its_own_generator(monkeypatch):
+    """Saved by a rank on cuda:1, resumed where that rank runs on cuda:0 (another CUDA_VISIBLE_DEVICES or number
+    of processes per node): its device draws on from the generator the rank drew from, not device 0's (found by
+    reading the CUDA-only paths; the generators are faked, the only part that cannot run here)."""
+    gpus = TwoGpus(monkeypatch, current=1)
+    state = capture_rng_state()
+    gpus.current = 0
+    gpus.states = {0: torch.zeros(8, dtype=torch.uint8), 1: torch.zeros(8, dtype=torch.uint8)}
+    restore_rng_state(state)
+    assert gpus.states[0].tolist() == [11] * 8  # the saving rank's own (cuda:1's) state
+
+
 @pytest.mark.gpu
 def test_rng_restore_warns_about_generators_it_cannot_restore():
     state = capture_rng_state()
