@@ -163,6 +163,10 @@ class ZeroStage1Strategy(DDPStrategy):
     def optimizer_state_dict(self, model, optimizer) -> dict:
         """The whole optimizer state, gathered from the shards and sent to every rank (a collective)."""
         optimizer.consolidate_state_dict(to=0)
+        if any(p.device.type == "cuda" for p in model.parameters()):
+            # torch copies each shard to the host with non_blocking=True and does not wait: the copies must have
+            # landed before the state is pickled
+            torch.cuda.synchronize()
         return broadcast_object(optimizer.state_dict() if is_rank_0() else None)
 
     def load_optimizer_state_dict(self, model, optimizer, state: dict):
