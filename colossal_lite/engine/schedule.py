@@ -106,6 +106,7 @@ class NonPipelineSchedule(BaseSchedule):
             raise ValueError("a training step needs the loss: use return_loss=True or forward_only=True")
         _check_iterator(data_iter)
         step = make_train_step(engine)
+        step.keep_output = return_output_label  # (an output nobody gets back is let go before the backward)
         if forward_only:
             with torch.no_grad():
                 step.forward_only(next(data_iter), with_loss=return_loss)

@@ -965,6 +965,9 @@ class Trainer:
             if name in timer:
                 timer.reset(name)
         st.last_eval_step = st.step
+        # the last batch and its output are let go (its loss is kept: a 0-dim tensor test mode reads), so they do not
+        # live on into the training forward that follows, as a hand loop's evaluation function lets them go
+        st.batch = st.data = st.label = st.output = None
         if was_training:
             engine.train()
             st.phase = "train"

@@ -125,3 +125,33 @@ def test_letting_it_go_changes_no_number():
     kept, let_go = fit([LossHook(), ReadsOutput()]), fit([LossHook()])
     for a, b in zip(kept.parameters(), let_go.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("returned", [False, True])
+def test_execute_schedule_lets_the_output_go_when_it_is_not_returned(returned):
+    """Legacy's loop ``engine.execute_schedule(it, return_output_label=False)`` asks for the loss alone: the output
+    was kept through the backward all the same (found by the memory probe)."""
+    model = WatchedOutput()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), sum_loss, window=AccumulationWindow(1))
+    output, _, loss = engine.execute_schedule(iter(batches(1)), return_output_label=returned)
+    assert model.alive_in_backward == [returned] and (output is not None) is returned and loss is not None
+
+
+def test_the_last_evaluation_batch_is_let_go_when_the_evaluation_ends():
+    """Its output lived on in ``state.output`` into the training forward after an evaluation inside ``fit`` (found
+    by the memory probe)."""
+
+    class AtEpochStart(BaseHook):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.alive = model, []
+
+        def before_train_epoch(self, trainer):
+            if trainer.state.epoch:  # the model's last forward was the evaluation's last batch
+                self.alive.append(self.model.out_ref() is not None)
+
+    model = WatchedOutput()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), sum_loss, window=AccumulationWindow(1))
+    watch = AtEpochStart(model)
+    Trainer(engine).fit(batches(2), epochs=2, test_dataloader=batches(2), hooks=[LossHook(), watch])
+    assert watch.alive == [False]
