@@ -155,7 +155,7 @@ class RaiseOnNonFinite(IgnoreNonFinite):
         rank 0 alone); under data parallelism a non-finite loss on any rank reaches every rank's weights. A user's
         own loop has no other point where the guard is read, unless it calls ``engine.check_loss_finite()``."""
         bad = [name for name, value in state.items()
-               if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(value.isfinite().all())]
+               if isinstance(value, torch.Tensor) and value.is_floating_point() and not _finite(value)]
         if not bad:
             return
         found = self._first_bad_step()
@@ -168,6 +168,12 @@ class RaiseOnNonFinite(IgnoreNonFinite):
             f"engine.check_loss_finite() in your loop (at each epoch's end, say) to stop at the first such step; or "
             f"set nonfinite_loss = 'skip' in the config to skip such updates (nonfinite_loss = 'ignore' saves "
             f"regardless)")
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """No nan or inf in ``tensor``, read from its minimum and maximum (nan spreads to both): two numbers, where
+    ``isfinite`` makes a mask and temporaries as large as the tensor (a save's largest weight, on its device)."""
+    return tensor.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(tensor))).all())
 
 
 _NONE = 2**61  # "no non-finite loss" in the ranks' all-reduced minimum

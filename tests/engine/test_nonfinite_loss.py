@@ -16,7 +16,7 @@ from sync_counter import count_syncs
 
 import colossal_lite
 from colossal_lite.amp import AMP_TYPE
-from colossal_lite.engine.loss_guard import NonFiniteLossError
+from colossal_lite.engine.loss_guard import NonFiniteLossError, _finite
 from colossal_lite.trainer import Trainer, hooks
 from colossal_lite.utils import save_checkpoint
 
@@ -260,3 +260,15 @@ def test_two_ranks_agree_when_only_one_saw_a_nan_loss(two_rank_results, mode):
         assert all("in optimizer step 4 " in r.get("error", "") for r in results), results
     else:
         assert all("error" not in r and r["updates"] == 5 and r["finite"] for r in results), results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_weights_check_reads_nan_and_inf_anywhere_from_two_numbers(dtype):
+    """``check_weights`` reads a tensor's minimum and maximum (nan spreads to both) instead of an ``isfinite`` mask
+    as large as the tensor (the memory probe: 28 MiB of temporaries for a 32 MiB state, on its device)."""
+    for where in (0, 517, 999):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            weights = torch.randn(1000).to(dtype)
+            weights[where] = bad
+            assert not _finite(weights), (where, bad)
+    assert _finite(torch.randn(1000).to(dtype)) and _finite(torch.empty(0, dtype=dtype))
