@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Optional
 
-__all__ = ["map_leaves", "iter_leaves"]
+import torch
+
+__all__ = ["map_leaves", "iter_leaves", "clone_tensors"]
 
 
 def map_leaves(fn: Callable[[Any], Any], obj: Any, is_leaf: Optional[Callable[[Any], bool]] = None) -> Any:
@@ -34,3 +36,11 @@ def iter_leaves(obj: Any) -> Iterator[Any]:
             yield from iter_leaves(v)
     else:
         yield obj
+
+
+def clone_tensors(obj: Any) -> Any:
+    """``obj`` with every tensor copied into storage of its own. A checkpoint's tensors are views of the file's
+    memory map (``checkpoint.io.load_file``); state that lives on after the load, such as an optimizer's (torch's
+    ``load_state_dict`` keeps a tensor that has the parameter's device and dtype already), would keep the file
+    mapped, and on the disk after retention deletes it, for the rest of the run."""
+    return map_leaves(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, obj)

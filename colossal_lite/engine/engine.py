@@ -17,6 +17,7 @@ from torch import nn
 from ..amp.convert import AMPOptimizer
 from ..amp.precision import FP32Precision
 from ..checkpoint.optimizer_match import optimizer_class_name
+from ..core.tree import clone_tensors
 from ..logging import get_dist_logger
 from .accumulation import AccumulationWindow, MicroBatch
 from .batch import call_criterion
@@ -440,7 +441,7 @@ class Engine:
         if "model" in state:
             self.strategy.load_model_state_dict(self._model, state["model"], strict=strict)
         if "optimizer" in state:
-            self.strategy.load_optimizer_state_dict(self._model, self._optimizer, state["optimizer"])
+            self.strategy.load_optimizer_state_dict(self._model, self._optimizer, clone_tensors(state["optimizer"]))
         self.precision.load_state_dict(state.get("precision", {}))
         if "accumulation" in state:
             self.window.load_state_dict(state["accumulation"])

@@ -44,6 +44,7 @@ from ..checkpoint.model_state import check_model_state, is_sharded, load_model_s
 from ..checkpoint.optimizer_match import OptimizerMismatchError, check_optimizer_state
 from ..core.dist import barrier, is_rank_0, world_size
 from ..core.global_context import global_context as gpc
+from ..core.tree import clone_tensors
 
 __all__ = ["load_model_state", "check_model_state", "save_checkpoint", "load_checkpoint", "load_scheduler_state",
            "write_checkpoint_file", "owning_engine", "engine_resume_state", "refuse_window_on_ranks",
@@ -337,9 +338,9 @@ def load_checkpoint_state(state, path: Path, model: nn.Module, optimizer=None, l
                 # the state belongs in the engine's ZeroRedundancyOptimizer (each rank keeps its shard's), not in
                 # the optimizer the script built, which it steps no more
                 owner.strategy.load_optimizer_state_dict(owner.model, owner.optimizer,
-                                                         optimizer_state_by_position(state[name]))
+                                                         optimizer_state_by_position(clone_tensors(state[name])))
             elif name == "optimizer":
-                _load_optimizer(model, target, state[name])
+                _load_optimizer(model, target, clone_tensors(state[name]))
             else:
                 load_scheduler_state(target, state[name])
         except (ValueError, KeyError, TypeError) as e:
