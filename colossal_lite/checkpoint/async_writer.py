@@ -159,6 +159,14 @@ class AsyncSaves:
                                                         use_non_blocking_copy=False))
         return self._stager
 
+    def release_buffers(self) -> None:
+        """Let the host copies of the state go (none in flight): the reuse is from save to save within a run, and
+        a trainer or hook kept after ``fit`` would otherwise hold a host copy of the whole training state."""
+        self.stage.release()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
     def poll(self) -> bool:
         """At a step boundary: move the save in flight on when every rank has finished its part. Collective with
         several ranks while a save is in flight (one all-reduce of one number on a gloo group, so no device

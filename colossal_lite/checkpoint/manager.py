@@ -198,6 +198,11 @@ class CheckpointManager:
         """Wait for the asynchronous save in flight and complete it (every rank); the seconds waited."""
         return 0.0 if self._async is None else self._async.wait()
 
+    def release_buffers(self) -> None:
+        """No save in flight: let the asynchronous saves' host copies of the state go (the end of a run)."""
+        if self._async is not None:
+            self._async.release_buffers()
+
     def abandon(self) -> Optional[Path]:
         """After an error: finish the write in flight; in one process its folder is completed, else it is left
         for the next start to remove. The completed folder, or None."""

@@ -32,6 +32,10 @@ class HostStage:
         self._memo: Dict[int, torch.Tensor] = {}
         self._from_gpu = False
 
+    def release(self) -> None:
+        """Let the host buffers go (the state is copied into new ones at the next ``copy``)."""
+        self._buffers = []
+
     def copy(self, tree: Any) -> Any:
         self._next, self._memo, self._from_gpu = 0, {}, False
         try:

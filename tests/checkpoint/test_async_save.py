@@ -5,6 +5,7 @@ the same tensors in them, the same final parameters and buffers. The state is ch
 right after a save returns, as training does, and the checkpoint must still hold the state of
 the moment it was taken.
 """
+import gc
 import json
 import logging
 import os
@@ -251,3 +252,29 @@ def test_the_pages_engine_loop_snippet_prints_what_the_page_says(tmp_path, monke
     printed = capsys.readouterr().out.strip()
     assert printed == "[2, 4, 6] ['epoch0-step4', 'epoch0-step6']"
     assert f"It prints `{printed}`" in page.read_text()
+
+
+def test_no_host_copy_of_the_state_outlives_the_fit(tmp_path):
+    """The host buffers an asynchronous save copies the state into are reused from save to save within a fit;
+    once the fit returned they were still held through the hook (a host copy of the weights and the optimizer's
+    state for as long as the trainer or the hook lives: found by the memory probe)."""
+    gpc.destroy()
+    colossal_lite.launch_from_torch(config={}, seed=5, verbose=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 64, generator=g), torch.randint(0, 3, (32,), generator=g))
+    engine, loader, _, _ = colossal_lite.initialize(model, opt, nn.CrossEntropyLoss(),
+                                                    get_dataloader(data, batch_size=8), verbose=False)
+    hook = SaveCheckpointHook("2ba", tmp_path, async_save=True)
+    trainer = Trainer(engine)
+    trainer.fit(loader, epochs=1, hooks=[LossHook(), hook])
+    big = 64 * 512  # the first layer's weight: a staged copy of it (or of its Adam moments) has as many elements
+    training = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, p.grad) if t is not None}
+    training |= {v.untyped_storage().data_ptr() for s in opt.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor)}
+    others = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() >= big
+              and o.untyped_storage().data_ptr() not in training]
+    assert others == [], [tuple(o.shape) for o in others]
+    gpc.destroy()

@@ -206,8 +206,11 @@ class SaveCheckpointHook(BaseHook):
         return path
 
     def after_train(self, trainer):
-        """The end of ``fit`` (a preemption's included): the save in flight is completed before ``fit`` returns."""
+        """The end of ``fit`` (a preemption's included): the save in flight is completed before ``fit`` returns,
+        and the host copies of the state it was written from are let go."""
         self.wait(trainer)
+        if self._manager is not None:
+            self._manager.release_buffers()
 
     def wait(self, trainer) -> None:
         """Wait for the asynchronous save in flight and complete it (every rank); reported like any save."""
@@ -224,6 +227,7 @@ class SaveCheckpointHook(BaseHook):
             log_rank_0(trainer.logger, f"fit failed while a checkpoint was written in the background: {note}")
         if self._manager is not None:
             self._manager.finished_saves.clear()
+            self._manager.release_buffers()
 
     def _report(self, trainer) -> None:
         """Log and record each save of the folder completed since the last report (every rank)."""
