@@ -30,9 +30,13 @@ class HostClock:
     def wait(self, last: Any) -> None:
         """Block until the mark ``last`` is done (a host mark is done when made)."""
 
-    def release(self, spans, open_mark: Any) -> None:
-        """The ``(phase, start, end)`` spans are read: a clock may reuse their marks, all but ``open_mark``
-        (where the running phase started). Host marks are numbers: nothing to reuse."""
+    def done(self, mark: Any) -> bool:
+        """Whether ``mark`` is done, without waiting."""
+        return True
+
+    def release(self, spans, keep: Any) -> None:
+        """The ``(phase, start, end)`` spans are read: a clock may reuse their marks, all but those in ``keep``
+        (a collection of marks still in use). Host marks are numbers: nothing to reuse."""
 
 
 class DeviceClock(HostClock):
@@ -54,9 +58,13 @@ class DeviceClock(HostClock):
     def wait(self, last) -> None:
         last.synchronize()
 
-    def release(self, spans, open_mark) -> None:
+    def done(self, mark) -> bool:
+        return mark.query()
+
+    def release(self, spans, keep) -> None:
         # a mark ends one span and starts the next: each event once
-        self._free.extend({id(m): m for _, a, b in spans for m in (a, b) if m is not open_mark}.values())
+        kept = {id(m) for m in keep}
+        self._free.extend({id(m): m for _, a, b in spans for m in (a, b) if id(m) not in kept}.values())
 
 
 def make_clock(device: torch.device) -> HostClock:
@@ -67,6 +75,10 @@ def make_clock(device: torch.device) -> HostClock:
 class Timeline:
     """The run as a sequence of phases: ``switch(phase)`` ends the running phase and starts ``phase`` at one
     mark. ``settle()`` reads the spans made since the last settle into ``totals`` (seconds by phase)."""
+
+    #: Spans kept unread before those the device has finished are read without waiting: an epoch of any length
+    #: then holds a bounded number of marks (on a GPU, CUDA events).
+    cap = 512
 
     def __init__(self, clock: HostClock):
         self.clock = clock
@@ -81,6 +93,8 @@ class Timeline:
         previous = self.phase
         if previous is not None:
             self._spans.append((previous, self._start, now))
+            if len(self._spans) > self.cap:
+                self._settle_done()
         self.phase, self._start = phase, now
         return previous
 
@@ -95,7 +109,20 @@ class Timeline:
         spans, self._spans = self._spans, []
         if spans:
             self.clock.wait(spans[-1][2])
-            for phase, start, end in spans:
-                self.totals[phase] += self.clock.seconds(start, end)
-            self.clock.release(spans, self._start)
+            self._read(spans)
         return self.totals
+
+    def _settle_done(self) -> None:
+        """Read the oldest spans whose end the clock has reached, without waiting."""
+        n = 0
+        while n < len(self._spans) and self.clock.done(self._spans[n][2]):
+            n += 1
+        if n:
+            spans, self._spans = self._spans[:n], self._spans[n:]
+            self._read(spans)
+
+    def _read(self, spans) -> None:
+        for phase, start, end in spans:
+            self.totals[phase] += self.clock.seconds(start, end)
+        # the marks the spans not yet read and the running phase still use are kept
+        self.clock.release(spans, [self._start, *(m for _, a, b in self._spans for m in (a, b))])

@@ -411,22 +411,59 @@ def test_timeline_on_the_host_clock_gives_each_phase_its_time():
     assert timeline.settle() is totals and totals["a"] == totals["a"]  # settled spans are not counted twice
 
 
+def test_a_long_epoch_keeps_a_bounded_number_of_marks_and_reuses_none_still_in_use():
+    """The spans of an epoch were all kept until its end (one a step: on a GPU, a CUDA event each; found by the
+    memory probe). Past ``Timeline.cap`` the spans the device has finished are read without waiting; a mark a span
+    not yet read (or the running phase) uses is never handed back for reuse. The device is a clock whose marks are
+    done only once the host is 40 marks past them (CUDA cannot run here)."""
+
+    class Lagging(HostClock):
+        def __init__(self):
+            self.made, self.free = 0, []
+
+        def mark(self):
+            self.made += 1
+            return (self.made, float(self.made))
+
+        def done(self, mark):
+            return mark[0] <= self.made - 40
+
+        def seconds(self, start, end):
+            return end[1] - start[1]
+
+        def release(self, spans, keep):
+            kept = {id(m) for m in keep}
+            released = [m for _, a, b in spans for m in (a, b) if id(m) not in kept]
+            assert not kept & {id(m) for m in released}
+            assert all(m not in (a, b) for m in released for _, a, b in timeline._spans), "a mark in use was freed"
+            self.free += released
+
+    timeline = Timeline(Lagging())
+    peak = 0
+    for i in range(3000):
+        timeline.switch("ab"[i % 2])
+        peak = max(peak, len(timeline._spans))
+    assert peak <= Timeline.cap + 1 and timeline.clock.free
+    totals = timeline.settle()
+    assert totals["a"] + totals["b"] == 2999.0  # every span read once: the marks are 1 apart
+
+
 def test_a_device_clock_reuses_each_read_mark_once_and_never_the_running_phases_start():
     class Watched(HostClock):  # the host clock, telling what the timeline hands back
         released = []
 
-        def release(self, spans, open_mark):
-            self.released.append((list(spans), open_mark))
+        def release(self, spans, keep):
+            self.released.append((list(spans), list(keep)))
 
     timeline = Timeline(Watched())
     for phase in ("a", "b", "c"):
         timeline.switch(phase)
     timeline.settle()
-    (spans, open_mark), = Watched.released
-    assert [phase for phase, _, _ in spans] == ["a", "b"] and open_mark == spans[-1][2]  # c runs from there
+    (spans, keep), = Watched.released
+    assert [phase for phase, _, _ in spans] == ["a", "b"] and keep == [spans[-1][2]]  # c runs from there
     clock = DeviceClock(torch.device("cuda"))  # (no CUDA call until a mark is made: these marks stand in for events)
     marks = [object() for _ in range(4)]
-    clock.release([("a", marks[0], marks[1]), ("b", marks[1], marks[2]), ("c", marks[2], marks[3])], marks[3])
+    clock.release([("a", marks[0], marks[1]), ("b", marks[1], marks[2]), ("c", marks[2], marks[3])], [marks[3]])
     assert sorted(map(id, clock._free)) == sorted(map(id, marks[:3]))  # each once; the open one is still in use
 
 
