@@ -171,11 +171,15 @@ def fabric_step(w: Work, model: nn.Module, optimizer, device: torch.device) -> O
 
 # -- measuring ----------------------------------------------------------------------------------------------------
 class Meter:
-    """Seconds and peak device memory (MiB) of each contestant's block, per round."""
+    """Seconds and peak device memory (MiB) of each contestant's block, per round; and the host's seconds, the
+    time the block's Python took to hand the device its work (read before the closing wait): a host time close to
+    the block's time means the host, not the device, sets the pace (a CPU-bound loop, where a loop's own Python
+    per step shows in its throughput)."""
 
     def __init__(self, ctx, names: List[str]):
         self.ctx = ctx
         self.seconds: Dict[str, List[float]] = {n: [] for n in names}
+        self.host: Dict[str, List[float]] = {n: [] for n in names}
         self.peak: Dict[str, List[float]] = {n: [] for n in names}
         self._t0 = 0.0
 
@@ -186,6 +190,7 @@ class Meter:
         self._t0 = time.perf_counter()
 
     def stop(self, name: str):
+        self.host[name].append(time.perf_counter() - self._t0)
         if self.ctx.cuda:
             torch.cuda.synchronize()
             self.peak[name].append(torch.cuda.max_memory_allocated() / 2**20)
@@ -281,8 +286,10 @@ def report(ctx, w: Work, meter: Meter, compiled: bool, engine) -> dict:
                compile_time_s=engine.compile_time_s, contestants={})
     for name, s in secs.items():
         ratios = [h / c for h, c in zip(hand, s)]
+        host = meter.host[name][1:]
         row = dict(samples_per_s=round(samples / statistics.median(s), 2), ratio_to_hand=round(statistics.median(ratios), 4),
-                   ratio_range=[round(min(ratios), 4), round(max(ratios), 4)])
+                   ratio_range=[round(min(ratios), 4), round(max(ratios), 4)],
+                   host_share=round(statistics.median(h / t for h, t in zip(host, s)), 3))
         if meter.peak[name]:
             peak = statistics.median(meter.peak[name][1:])
             row.update(peak_mib=round(peak, 1), peak_ratio_to_hand=round(peak / statistics.median(meter.peak["hand"][1:]), 4))

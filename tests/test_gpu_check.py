@@ -37,6 +37,8 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path, monkeypatch):
     assert sections["equivalence"]["cases"] and all(c["bitwise"] for c in sections["equivalence"]["cases"].values())
     assert sections["speed_resnet18"]["contestants"].keys() >= {"hand", "engine", "trainer"}
     assert sections["speed_resnet18"]["rounds"] == 1  # --rounds (the dry run's own is 2)
+    # the host's share of each block's time (on the CPU the host does all the work: all of it)
+    assert all(0 < row["host_share"] <= 1 for row in sections["speed_resnet18"]["contestants"].values())
     assert proc.stdout.rstrip().splitlines()[-1].startswith("total "), "the table is printed last"
 
 
