@@ -93,9 +93,9 @@ class Timeline:
         previous = self.phase
         if previous is not None:
             self._spans.append((previous, self._start, now))
-            if len(self._spans) > self.cap:
-                self._settle_done()
         self.phase, self._start = phase, now
+        if len(self._spans) > self.cap:  # (after the running phase's start is ``now``: that mark stays in use)
+            self._settle_done()
         return previous
 
     def split(self, at: Any, phase: str) -> None:

@@ -414,19 +414,19 @@ def test_timeline_on_the_host_clock_gives_each_phase_its_time():
 def test_a_long_epoch_keeps_a_bounded_number_of_marks_and_reuses_none_still_in_use():
     """The spans of an epoch were all kept until its end (one a step: on a GPU, a CUDA event each; found by the
     memory probe). Past ``Timeline.cap`` the spans the device has finished are read without waiting; a mark a span
-    not yet read (or the running phase) uses is never handed back for reuse. The device is a clock whose marks are
-    done only once the host is 40 marks past them (CUDA cannot run here)."""
+    not yet read or the running phase uses is never handed back for reuse. The device is a clock whose marks are
+    done once the host is ``lag`` marks past them (CUDA cannot run here): 40 behind, then caught up."""
 
     class Lagging(HostClock):
         def __init__(self):
-            self.made, self.free = 0, []
+            self.made, self.free, self.lag = 0, [], 40
 
         def mark(self):
             self.made += 1
             return (self.made, float(self.made))
 
         def done(self, mark):
-            return mark[0] <= self.made - 40
+            return mark[0] <= self.made - self.lag
 
         def seconds(self, start, end):
             return end[1] - start[1]
@@ -441,8 +441,10 @@ def test_a_long_epoch_keeps_a_bounded_number_of_marks_and_reuses_none_still_in_u
     timeline = Timeline(Lagging())
     peak = 0
     for i in range(3000):
+        timeline.clock.lag = 40 if i < 1500 else 0
         timeline.switch("ab"[i % 2])
         peak = max(peak, len(timeline._spans))
+        assert all(m is not timeline._start for m in timeline.clock.free), "the running phase's start was freed"
     assert peak <= Timeline.cap + 1 and timeline.clock.free
     totals = timeline.settle()
     assert totals["a"] + totals["b"] == 2999.0  # every span read once: the marks are 1 apart
