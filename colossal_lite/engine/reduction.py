@@ -116,11 +116,11 @@ class TokenMeanReduction(MeanReduction):
         self._micro_tokens: Optional[torch.Tensor] = None  # the last criterion's real-token count
         self.tokens: Optional[torch.Tensor] = None  # real tokens of the open window on this rank
         #: A power of two near 1 / the real tokens a window held per rank (set at each step from the global count,
-        #: so the same on every rank; None: 1). Each backward starts from its token count times it, which makes the
+        #: so the same on every rank; 1 until the first step). Each backward starts from its token count times it, which makes the
         #: window's gradients of a per-token mean's size before the step divides them by the global count, as a
         #: loop that divides by the window's count beforehand has them: fp16 loss scaling then does not overflow
         #: on a window's token count. A power of two changes no rounding, so the update is the same, bit for bit.
-        self._unit: Optional[torch.Tensor] = None
+        self._unit: Any = 1.0
 
     def loss_count(self, samples):
         """The last loss's real tokens (a device tensor, weighed without reading it), else its samples."""
@@ -166,8 +166,7 @@ class TokenMeanReduction(MeanReduction):
         n = torch.as_tensor(n, dtype=torch.float32, device=loss.device)  # (the same tensor when it is one already)
         self.tokens = n if self.tokens is None else self.tokens + n
         self.last_tokens = n
-        weight = n if self._unit is None else n * self._unit
-        return weight.to(loss.dtype)  # back to the micro-batch's token sum (times the unit); divided at the step
+        return (n * self._unit).to(loss.dtype)  # back to the micro-batch's token sum (times the unit); divided at the step
 
     def joined_loss(self, parts):
         """The pieces' per-token means weighed by their token counts: the micro-batch's per-token mean."""
@@ -175,8 +174,8 @@ class TokenMeanReduction(MeanReduction):
             return parts[0][0]
         tokens = sum(weight for _, weight in parts)
         joined = super().joined_loss([(_where_counted(weight, loss), weight) for loss, weight in parts])
-        if self._unit is not None:  # (the weights carry the unit: a power of two, taken off exactly)
-            tokens, joined = tokens / self._unit, joined / self._unit
+        # (the weights carry the unit: a power of two, taken off exactly)
+        tokens, joined = tokens / self._unit, joined / self._unit
         self.last_tokens = tokens
         return joined / tokens.clamp(min=1)
 
@@ -185,7 +184,7 @@ class TokenMeanReduction(MeanReduction):
         total = all_reduce_sum_(total.clone())  # every rank: the global real-token count
         world = world_size()
         factor = world / total.clamp(min=1)
-        rescale_grads_(params, factor if self._unit is None else factor / self._unit)
+        rescale_grads_(params, factor / self._unit)
         self._unit = torch.exp2(-torch.floor(torch.log2((total / world).clamp(min=1))))  # (for the next windows)
 
     def reset(self):
@@ -193,11 +192,12 @@ class TokenMeanReduction(MeanReduction):
 
     def state_dict(self):
         return {"tokens": None if self.tokens is None else self.tokens.detach().clone(),
-                "unit": None if self._unit is None else self._unit.detach().clone()}
+                "unit": torch.as_tensor(self._unit).detach().clone()}
 
     def load_state_dict(self, state):
         self.tokens = state.get("tokens")
-        self._unit = state.get("unit")  # (None in a checkpoint from before the unit: 1, as it was then)
+        unit = state.get("unit")
+        self._unit = 1.0 if unit is None else unit  # (a checkpoint from before the unit has none: 1, as it was then)
 
 
 def _where_counted(tokens: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:

@@ -74,8 +74,8 @@ _SUGGESTIONS = {
     "host syncs": "host syncs stall the device: remove the .item()/.cpu()/print of tensors at the places listed",
     "unpinned batch": "the batch's copy to the device waits for it: pin_memory=True in the DataLoader (or a "
                       "dataset that returns pinned tensors), so the copy runs beside the device's work",
-    "hook:Recorder": "the Trainer's metric history and trackers take {ms} ms per step: record fewer values per "
-                     "step (LogMetricByStepHook, a tracker's own logging interval)",
+    "hook:Recorder": "{what} take {ms} ms per step: record fewer values per step (LogMetricByStepHook, a "
+                     "tracker's own logging interval)",
 }
 
 #: A sync site that is the library's own copy of a batch to the device (``engine/batch.py``): it waits when the
@@ -160,7 +160,7 @@ def rank_causes(figures: SpeedFigures) -> List[Cause]:
     for key, value, what in sorted(rows, key=lambda row: -row[1]):
         if key.startswith(HOOK_PREFIX):
             per_step = f"{value / max(figures.steps, 1) * 1e3:.3g}"
-            suggestion = _SUGGESTIONS[key].format(ms=per_step) if key in _SUGGESTIONS else \
+            suggestion = _SUGGESTIONS[key].format(ms=per_step, what=what) if key in _SUGGESTIONS else \
                 f"{key[len(HOOK_PREFIX):]} takes {per_step} ms per step: run it less often or move its work off the step"
         else:
             suggestion = _SUGGESTIONS.get(key, "")
