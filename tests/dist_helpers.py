@@ -6,10 +6,9 @@ interpreter that imported torch once (``tests/rank_forker.py``). Tests whose sub
 users run with torchrun, start real torchrun (``run_torchrun`` or their own command line):
 
 - test_launch.py::test_two_processes_under_torchrun: launch_from_torch joins the store of torchrun's agent;
-- test_multinode.py: elastic agents on two nodes and a restart (the reference run uses the same agent);
-- test_clean_exit.py's runs under torchrun: a process's teardown at exit, under the launcher users run;
-- test_interrupt_under_torchrun.py, checkpoint/test_preemption.py, test_async_unwritable.py and
-  test_unwritable_folder.py (their torchrun command lines): signals, exit statuses and restarts through the agent;
+- test_multinode.py: elastic agents on two nodes and a restart;
+- test_interrupt_under_torchrun.py and checkpoint/test_preemption.py (their torchrun command lines): signals, exit
+  statuses and restarts through the agent;
 - examples/test_digits_example.py: the README's first command, the digits example under torchrun.
 
 The other examples and the docs' multi-rank snippets run on ``run_ranks``: their subject is what the script does
@@ -118,14 +117,21 @@ def run_ranks(script, args: Sequence[str] = (), nproc: int = 2, timeout: float =
     rank prints its Python stacks before it is killed, and the error shows all the ranks' output. Tests whose subject
     is torchrun itself stay on ``run_torchrun`` (the module's docstring lists them).
     """
-    cmd = [sys.executable, str(REPO / "tests" / "rank_forker.py"), str(nproc), str(free_port()), str(script),
-           *map(str, args)]
+    cmd = ranks_command(script, args, nproc)
     env, cwd = _env(env), cwd or REPO
     server = _rank_server()
     proc = server.run(cmd, timeout, env, cwd) if server.serves(env) else _run_group(cmd, timeout, env, cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc
+
+
+def ranks_command(script, args: Sequence[str] = (), nproc: int = 2) -> List[str]:
+    """The command line of a launch of ``run_ranks`` in an interpreter of its own (``tests/rank_forker.py``), for a
+    test that runs it under a prefix of its own (a namespace): one interpreter imports torch, where torchrun's
+    agent and each of its workers would."""
+    return [sys.executable, str(REPO / "tests" / "rank_forker.py"), str(nproc), str(free_port()), str(script),
+            *map(str, args)]
 
 
 # Variables the interpreter, the C runtime, OpenMP or torch read as they start: a fork of the rank server keeps
@@ -136,6 +142,12 @@ STARTUP_VARS = re.compile(r"PYTHON|LD_|MALLOC_|GLIBC_TUNABLES$|OMP_|GOMP_|KMP_|M
 # environment. torch writes the inductor's cache folder into this process's environment at its first compile, so
 # counting it would send every later launch of the worker to a fresh interpreter.
 READ_WHEN_USED = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+# Importing scikit-learn (the digits data of many tests) sets these OpenMP variables in this process's environment.
+# Set from the start, the rank server has them too, so the launches after a test that imported it are still forks
+# of the server instead of each starting torch again.
+SKLEARN_SETS = {"KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE"}
+for _name, _value in SKLEARN_SETS.items():
+    os.environ.setdefault(_name, _value)
 SERVER_START_S = 120.0  # for the server to import torch and answer, on a loaded machine
 _servers: Dict[int, "_RankServer"] = {}  # by pid: a process forked from pytest needs a server of its own
 _servers_lock = threading.Lock()

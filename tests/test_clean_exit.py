@@ -5,15 +5,16 @@ exception", status 134): a gloo worker thread that drops a finished collective a
 line waits for the GIL while the interpreter finalizes (see ``colossal_lite/core/global_context.py``).
 The library destroys the group it created from an exit handler, while the interpreter is whole.
 
-Real processes under torchrun (gloo), real interpreter exits. An exit handler registered before
-``launch_from_torch`` runs after the library's and reports what is left of the group. The twenty
-runs in a row start each process as a fork of one that imported torch once, which keeps them short.
+Real processes with torchrun's environment (gloo), real interpreter exits. An exit handler registered before
+``launch_from_torch`` runs after the library's and reports what is left of the group. Every process is a fork of
+one that imported torch once (``run_ranks``; the twenty runs in a row have their own such launcher): a rank still
+ends as an interpreter ends, exit handlers and finalization included, which is what the race is about.
 """
 import json
 import sys
 import textwrap
 
-from dist_helpers import REPO, _env, _run, run_torchrun
+from dist_helpers import REPO, _env, _run, run_ranks
 
 PROBE = textwrap.dedent("""
     import atexit, json, os, sys
@@ -64,7 +65,7 @@ DCP_SAVE = textwrap.dedent("""
 def run_without_destroy(tmp_path, config: dict, tail: str = ""):
     script = tmp_path / "train.py"
     script.write_text(PROBE + f"CONFIG = {config!r}\n" + TRAIN + tail)
-    proc = run_torchrun(script, [tmp_path], nproc=2, timeout=120)  # asserts exit status 0
+    proc = run_ranks(script, [tmp_path], nproc=2, timeout=120)  # asserts exit status 0
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr  # no error from an exit handler either
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 

@@ -3,7 +3,8 @@
 One job trains DDP, then ZeRO stage 3, with a checkpoint every 2 steps and ``resume_from='auto'``. In the
 stage 3 run the worker of global rank 1 kills itself with SIGKILL after step 5, like a crashed node; torchrun
 (``--max-restarts 1``) restarts the workers of both nodes and the job finishes. The parameters must equal, bit
-for bit, those of an uninterrupted single-node run of the same world size (``--nproc-per-node 2``).
+for bit, those of an uninterrupted single-node run of the same world size (2 ranks on one node, forked by the
+tests' launcher: ``run_ranks``).
 
 What torchrun does when one node's worker dies: that node's agent sees its worker fail, counts a restart and
 joins a new rendezvous round; the other agent sees a node waiting and restarts its workers too, but counts no
@@ -24,7 +25,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import REPO, _env, free_port, run_torchrun
+from dist_helpers import REPO, _env, free_port, run_ranks
 
 from colossal_lite.launch import _attempt_store
 
@@ -46,7 +47,7 @@ SCRIPT = textwrap.dedent("""
     colossal_lite.launch_from_torch(config={}, seed=5, timeout=30)
     rank = gpc.get_global_rank()
     print(f"worker: global rank {rank}, local rank {gpc.get_local_rank()}, world size {gpc.get_world_size()}, "
-          f"device {gpc.device}, restart count {os.environ['TORCHELASTIC_RESTART_COUNT']}\\n", end="",
+          f"device {gpc.device}, restart count {os.environ.get('TORCHELASTIC_RESTART_COUNT', 'none')}\\n", end="",
           flush=True)  # one write: the agent's log lines share this pipe
     get_dist_logger().info("rank 0 only: start")
 
@@ -134,7 +135,7 @@ def runs(tmp_path_factory):
     single.mkdir()
     multi.mkdir()
     agents = [_agent(script, multi, port, "--max-restarts=1") for port in [free_port()] * 2]
-    run_torchrun(script, [single, 0], nproc=2, timeout=120)
+    run_ranks(script, [single, 0], nproc=2, timeout=120)  # the reference: same world size, one node, no agent
     results = _finish(agents, timeout=150)
     for i, (status, log) in enumerate(results):
         assert status == 0, f"agent {i} exited {status}\n{log}"

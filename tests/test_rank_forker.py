@@ -2,6 +2,8 @@
 interpreter ends: the statuses, the tracebacks and the output a test reads are those of ``python script``."""
 import json
 import os
+import subprocess
+import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
@@ -95,6 +97,23 @@ def test_launches_are_forks_of_one_server_unless_a_start_up_variable_differs(tmp
     fresh = run_ranks(script, ["ok"], nproc=2, timeout=120, env={"OMP_NUM_THREADS": "2"})
     assert [(s["started_by"], s["threads"]) for s in _seen(fresh)] == [(os.getpid(), 2)] * 2
     assert dist_helpers._rank_server() is server and server.alive()
+
+
+def test_importing_scikit_learn_does_not_stop_the_forks(tmp_path):
+    """scikit-learn sets OpenMP variables at import, which a fork of the server would not have had: the helpers set
+    them first, so every launch after a test that loaded the digits data is still a fork (each such launch started
+    torch again before)."""
+    without = {k: v for k, v in os.environ.items() if k not in dist_helpers.SKLEARN_SETS}
+    probe = "import json, os; before = dict(os.environ); import sklearn; print(json.dumps(dict(os.environ.items() - before.items())))"
+    added = json.loads(subprocess.run([sys.executable, "-c", probe], env=without, capture_output=True, text=True,
+                                      timeout=120, check=True).stdout)
+    assert {k: v for k, v in added.items() if dist_helpers.STARTUP_VARS.match(k)} == dist_helpers.SKLEARN_SETS
+
+    script = tmp_path / "who.py"
+    script.write_text(WHO)
+    server = dist_helpers._rank_server()
+    import sklearn  # noqa: F401
+    assert [s["started_by"] for s in _seen(run_ranks(script, ["ok"], nproc=2, timeout=120))] == [server.proc.pid] * 2
 
 
 def test_the_inductor_cache_folder_torch_sets_at_its_first_compile_does_not_stop_the_forks(tmp_path, monkeypatch):

@@ -8,12 +8,11 @@ and loads. On the read-only file system the folder cannot even be made: every ra
 the save was due.
 """
 import importlib.util
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from dist_helpers import free_port
+from dist_helpers import ranks_command
 
 
 def _unwritable_helpers():
@@ -77,9 +76,7 @@ def test_async_saves_on_a_full_disk_and_a_read_only_file_system_raise_on_every_r
     mnt = tmp_path / "mnt"
     prefix = helpers._read_only_mount(mnt)
     ck = mnt / "ck"
-    proc, out = helpers._output(prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                          "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
-                                          str(mnt), str(ck)], timeout=180)
+    proc, out = helpers._output(prefix + ranks_command(script, [mnt, ck]), timeout=180)
     assert proc.returncode == 0, out
     lines = {r: {line.split(" ", 2)[1]: line for line in out.splitlines() if line.startswith(f"rank{r} ")}
              for r in (0, 1)}

@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from dist_helpers import REPO, _env, _run, free_port
+from dist_helpers import REPO, _env, _run, ranks_command
 
 
 def _namespace_works(args) -> bool:
@@ -132,9 +132,7 @@ def test_two_ranks_both_raise_the_same_error_on_a_read_only_file_system(tmp_path
     mnt = tmp_path / "mnt"
     prefix = _read_only_mount(mnt)
     ck = mnt / "ck"
-    proc, out = _output(prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), str(mnt),
-                               str(ck)])
+    proc, out = _output(prefix + ranks_command(script, [mnt, ck]))
     assert proc.returncode == 0, out
     message = (f"CheckpointWriteError: could not write checkpoint {ck / 'epoch1-step4'} ({ck / '.tmp-epoch1-step4-'}")
     untouched = f"): Read-only file system [EROFS]; the previous checkpoint ({ck / 'epoch0-step2'}) is untouched"
