@@ -12,7 +12,7 @@ import sys
 import textwrap
 import time
 
-from dist_helpers import REPO, _env, free_port
+from dist_helpers import REPO, _env, free_port, run_ranks
 
 SCRIPT = textwrap.dedent("""
     import sys, time
@@ -107,9 +107,9 @@ def test_ctrl_c_writes_a_checkpoint_says_how_to_continue_and_the_same_command_re
     assert "SignalException" in out  # torchrun's own report of the Ctrl-C
     assert not _library_frames(out), out  # the workers stopped cleanly: no traceback through colossal_lite
 
-    again = _torchrun(script, ck, "fast", 1.0)
-    rest, _ = again.communicate(timeout=90)
-    assert again.returncode == 0, rest
+    # the rerun of the same script on two ranks (forked: the resume does not depend on the launcher, and the
+    # torchrun path of a resume is test_preemption.py's)
+    rest = run_ranks(script, [ck, "fast", 1.0], nproc=2, timeout=90).stdout
     assert f"resumed from {last}: epoch 0, step {step}" in rest and "finished at step 50" in rest
 
 
