@@ -83,7 +83,7 @@ _SUGGESTIONS = {
 UNPINNED_BATCH_SITE = "the batch's copy to the device from memory that is not pinned"
 
 #: Parts the Trainer adds to every fit, timed as hooks are, named for a user who never added them.
-_OWN_PARTS = {"Recorder": "the Trainer's metric history and trackers"}
+OWN_PARTS = {"Recorder": "the Trainer's metric history and trackers"}
 
 
 @dataclass
@@ -146,7 +146,7 @@ def _rows(figures: SpeedFigures) -> List[tuple]:
     for key, value in seconds.items():
         if key.startswith(HOOK_PREFIX):
             name = key[len(HOOK_PREFIX):]
-            rows.append((key, value, _OWN_PARTS.get(name, f"the hook {name}")))
+            rows.append((key, value, OWN_PARTS.get(name, f"the hook {name}")))
         elif key in PHASES:
             rows.append((key, value, PHASES[key]))
     return rows

@@ -499,6 +499,20 @@ def test_the_librarys_own_parts_are_named_for_what_a_user_can_change():
     assert "Recorder" not in format_report(figures)
 
 
+class Recorder(SleepyHook):
+    """A hook of the user's that has the name of the part the Trainer adds to every fit."""
+
+
+def test_a_users_hook_named_as_the_trainers_own_part_is_timed_and_named_apart_from_it():
+    speed, trainer, _ = fit([LossHook(), Recorder()])
+    mine = f"hook:{__name__}.Recorder"
+    seconds = speed.figures.seconds
+    assert seconds[mine] >= 4 * 0.05 and seconds["hook:Recorder"] < 0.05, format_report(speed.figures)
+    cause = first_cause(speed)
+    assert cause.key == mine and cause.what == f"the hook {__name__}.Recorder", format_report(speed.figures)
+    assert trainer.history[f"train/time/{mine}"] and sum(trainer.history["train/time/hook:Recorder"]) < 0.05
+
+
 def _a_sync():
     warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)  # the sync debug mode's
 

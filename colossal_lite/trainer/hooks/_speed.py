@@ -25,7 +25,7 @@ from ...engine.batch import call_criterion, call_with
 from ...logging import get_dist_logger
 from ...utils.flops import StepFlops, compute_kind, count_step_flops, peak_flops
 from .._timeline import Timeline, make_clock
-from ..speed_report import HOOK_PREFIX, PHASES, TAIL, UNPINNED_BATCH_SITE, SpeedFigures, format_report
+from ..speed_report import HOOK_PREFIX, OWN_PARTS, PHASES, TAIL, UNPINNED_BATCH_SITE, SpeedFigures, format_report
 from ._metric_hook import Metric, MetricHook, samples_in
 from ._utils import device_of
 
@@ -81,7 +81,15 @@ class _Figure(Metric):
 
 
 def _hook_key(fn: Callable) -> str:
-    return HOOK_PREFIX + type(getattr(fn, "__self__", fn)).__name__
+    return _hook_phase(getattr(fn, "__self__", fn))
+
+
+def _hook_phase(hook) -> str:
+    """``'hook:<class name>'``; a hook of the user's whose class has the name of a part the Trainer adds itself
+    (``OWN_PARTS``) is named with its module, so that its time is neither added to that part's nor reported as it."""
+    kind = type(hook)
+    ours = kind.__module__.split(".")[0] == __name__.split(".")[0]
+    return HOOK_PREFIX + (kind.__name__ if ours or kind.__name__ not in OWN_PARTS else f"{kind.__module__}.{kind.__name__}")
 
 
 def _unit_phase(trainer) -> Optional[str]:
@@ -426,7 +434,7 @@ class SpeedReportHook(MetricHook):
 
     def _phases(self, trainer) -> List[str]:
         """The phases recorded per epoch, the same list on every rank (the hooks are the same)."""
-        hooks = [HOOK_PREFIX + type(h).__name__ for h in trainer.hooks if h is not self] + [HOOK_PREFIX + "Recorder"]
+        hooks = [_hook_phase(h) for h in trainer.hooks if h is not self] + [HOOK_PREFIX + "Recorder"]
         unit = _unit_phase(trainer)
         own = [p for p in PHASES if p != "evaluation" and (p not in ("step", "auto") or p == unit)]
         return own + list(dict.fromkeys(hooks))
