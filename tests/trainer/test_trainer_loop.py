@@ -382,6 +382,51 @@ def test_max_duration_in_steps_stops_mid_epoch_and_next_fit_continues():
     assert engine.num_updates == 8
 
 
+@pytest.mark.parametrize("kind", ["list", "DataLoader"])
+def test_a_second_fit_after_a_cut_inside_an_accumulation_epoch_trains_as_one_fit_and_the_hand_loop(kind):
+    """Continuing inside the epoch reads the batches already trained and drops them; the wrapped loader announced
+    each one's place, and the last (not a window's first) was still announced at the next window's zero_grad, which
+    then kept the cut run's last gradients: the first update of the second fit added them in (found by a probe)."""
+    import colossal_lite
+
+    batches, accumulation = make_batches(8), 3  # windows of 3, 3 and 2 micro-batches per epoch
+
+    def hand(updates):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        done = 0
+        while True:
+            for start in range(0, len(batches), accumulation):
+                window = batches[start:start + accumulation]
+                opt.zero_grad()
+                for x, y in window:
+                    (nn.functional.cross_entropy(model(x), y) / len(window)).backward()
+                opt.step()
+                done += 1
+                if done == updates:
+                    return model
+
+    def library(durations):
+        model = make_model()
+        loader = batches if kind == "list" else torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])),
+            batch_size=4)
+        engine, loader, _, _ = colossal_lite.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), nn.CrossEntropyLoss(), loader,
+            config=dict(gradient_accumulation=accumulation), verbose=False)
+        trainer = Trainer(engine)
+        for duration in durations:
+            trainer.fit(loader, max_duration=duration, log_dir=False, display_progress=False)
+        assert engine.num_updates == 10
+        return model
+
+    expected = hand(10)
+    for durations in (["10ba"], ["5ba", "10ba"]):  # the cut: after batch 5 of epoch 1, a window's last
+        got = library(durations)
+        for (name, p), q in zip(got.state_dict().items(), expected.state_dict().values()):
+            assert torch.equal(p, q), (durations, name)
+
+
 def test_max_duration_epochs_and_length_errors():
     engine, _ = make_engine(make_model())
     trainer = Trainer(engine)
