@@ -117,6 +117,23 @@ def _warn_of_another_global_batch(logger, launch_config, config, overrides, worl
         f"to train on the configured batch, or ignore this if the engine is meant to differ", ranks=[0])
 
 
+def _warn_of_undivided_train_data(logger, loader, world_size: int) -> None:
+    """A ``DataLoader`` over a map-style dataset with torch's default sampler gives every rank the whole dataset
+    (in the same order under the launch's seed): N ranks then train on the same batches, N times the compute of
+    one, and nothing fails. Said once, since a program may mean it (ranks that draw their own data)."""
+    from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+    if world_size < 2 or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return
+    if type(loader.sampler) not in (SequentialSampler, RandomSampler):
+        return
+    logger.warning(
+        f"initialize(train_dataloader=...): the loader's sampler is torch's {type(loader.sampler).__name__}, so each "
+        f"of the {world_size} ranks iterates the whole dataset: they train on the same samples. Build it with "
+        f"colossal_lite.utils.get_dataloader(dataset, shuffle=..., batch_size=...) (each rank its share, resumable "
+        f"inside an epoch) or a torch.utils.data.DistributedSampler", ranks=[0])
+
+
 def _check_criterion(criterion):
     if criterion is None:
         return
@@ -282,6 +299,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]],
     world_size = gpc.get_world_size()
     _warn_of_another_global_batch(logger, launch_config, config, overrides, world_size)
     _check_micro_batch_size(config, train_dataloader, world_size)
+    _warn_of_undivided_train_data(logger, train_dataloader, world_size)
     model = _build_model(model)
 
     torch.backends.cudnn.benchmark = bool(setting(config, "cudnn_benchmark"))

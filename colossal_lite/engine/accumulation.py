@@ -17,6 +17,7 @@ The only state is ``micro_step``, the micro-batches begun in the open window; it
 """
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from typing import Iterable, Iterator, List, NamedTuple, Optional
 
@@ -166,6 +167,12 @@ class AccumulationDataLoader:
 
     def __iter__(self) -> Iterator:
         window = self.window
+        if not window.at_start:
+            warnings.warn(
+                f"gradient accumulation: the last loop over the train loader stopped inside a window, after "
+                f"{window.micro_step} of its {window.size} micro-batches; windows start at each epoch's start, so "
+                f"their gradients are dropped, not applied (a loop that breaks early should break at a window's end, "
+                f"after engine.step(), to lose nothing)", UserWarning, stacklevel=2)
         try:
             n = len(self.loader)
         except TypeError:

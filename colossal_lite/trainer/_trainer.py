@@ -210,13 +210,12 @@ def _epoch_length(loader) -> Optional[int]:
     return batches_per_epoch(loader)
 
 
-def _epoch_loader(loader, iters: Optional[int]):
-    """What an epoch iterates: for a loader without len, the loader ``initialize`` wrapped, not the wrapper. The
-    epoch plans its windows by reading ahead itself (``UnsizedEpoch``); the wrapper would read ahead once more,
-    and a checkpoint keeps only the batches the epoch holds."""
-    if iters is None and isinstance(loader, AccumulationDataLoader):
-        return loader.loader
-    return loader
+def _epoch_loader(loader):
+    """What an epoch iterates: the loader ``initialize`` wrapped, not the wrapper. The epoch places each micro-batch
+    in its window itself (``SizedEpoch``, ``UnsizedEpoch``) and the step announces it; the wrapper's announcements
+    are for a loop of the user's. Without len the wrapper would also read ahead once more, and a checkpoint keeps
+    only the batches the epoch holds."""
+    return loader.loader if isinstance(loader, AccumulationDataLoader) else loader
 
 
 def _iterate_from(loader, iters: Optional[int], skip: int, epoch_rng: Optional[Dict[str, Any]] = None,
@@ -794,7 +793,7 @@ class Trainer:
         st.phase = "train"
         _set_sampler_epoch(run.train_loader, epoch)
         skip = st.batch_idx  # resuming inside the epoch: start after the batches already trained on
-        loader = _epoch_loader(run.train_loader, st.iters_per_epoch)
+        loader = _epoch_loader(run.train_loader)
         read_ahead: Optional[list] = None
         if skip == 0:
             self._epoch_start.begin(epoch)
@@ -1048,7 +1047,7 @@ class Trainer:
         st.phase = "train"
         self.fire(Event.BEFORE_TRAIN_EPOCH)
         engine.window.continue_at(st.batch_idx)
-        self._train_loop(run, iter(run.train_loader), NO_PROGRESS, until_step=True)
+        self._train_loop(run, iter(_epoch_loader(run.train_loader)), NO_PROGRESS, until_step=True)
         n_train = st.iteration - saved_progress["iteration"]
         train_loss = None if st.loss is None else st.loss.detach().float()  # (a step of the user's may give none)
         updated = st.updated

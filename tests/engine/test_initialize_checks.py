@@ -188,3 +188,38 @@ def test_nonfinite_loss_reaches_the_engine_and_the_summary(launched):
         in describe_features(gpc.config)
     assert "non-finite loss: not checked (an inf/NaN loss is applied like any other)" in \
         describe_features(Config(dict(nonfinite_loss="ignore")))
+
+
+UNDIVIDED = r'''
+import sys
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+import colossal_lite
+from colossal_lite.core import global_context as gpc
+from colossal_lite.utils import get_dataloader
+
+colossal_lite.launch_from_torch(config={}, verbose=False)
+data = TensorDataset(torch.randn(16, 6), torch.randint(0, 3, (16,)))
+loaders = dict(plain=DataLoader(data, batch_size=4, shuffle=True), divided=get_dataloader(data, batch_size=4),
+               distributed=DataLoader(data, batch_size=4, sampler=DistributedSampler(data)), batches=[data[:4]])
+for name, loader in loaders.items():
+    print(f"rank{gpc.get_global_rank()} {name}\n", end="", flush=True)  # one write: the ranks' lines never mix
+    model = torch.nn.Linear(6, 3)
+    colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.CrossEntropyLoss(), loader,
+                             verbose=False)
+gpc.destroy()
+'''
+
+
+def test_a_plain_loader_on_several_ranks_is_said_to_give_each_rank_the_whole_dataset(tmp_path):
+    """Torch's default sampler gives every rank every sample (the same order under the launch's seed): N ranks
+    train on the same batches and nothing fails. Said once, on rank 0; a divided loader, a DistributedSampler or a
+    list of batches (each rank its own) hear nothing (found by a probe porting pytorch/examples' mnist)."""
+    script = tmp_path / "undivided.py"
+    script.write_text(UNDIVIDED)
+    out = run_ranks(script, nproc=2, timeout=120)
+    text = out.stdout + out.stderr
+    said = [line for line in text.splitlines() if "each of the 2 ranks iterates the whole dataset" in line]
+    assert len(said) == 1 and "torch's RandomSampler" in said[0] and "get_dataloader" in said[0], text
+    order = [line for line in text.splitlines() if line.startswith("rank0 ") or "whole dataset" in line]
+    assert order.index(said[0]) == order.index("rank0 plain") + 1, text  # after the plain loader, none later

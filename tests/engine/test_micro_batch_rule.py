@@ -86,3 +86,55 @@ def test_an_epochs_plans_are_each_micro_batchs_own_place():
     assert AccumulationWindow(3).plans(5) == [MicroBatch(3, True, False), MicroBatch(3, False, False),
                                              MicroBatch(3, False, True), MicroBatch(2, True, False),
                                              MicroBatch(2, False, True)]
+
+
+def test_a_loop_that_breaks_inside_a_window_is_told_at_the_next_epoch_that_the_window_is_dropped(launched, recwarn):
+    """Windows start at each epoch's start, so a micro-batch run before a ``break`` inside a window is not applied
+    (a hand loop stepping every ``(i + 1) % A`` would carry it over, and legacy's counter did): said at the next
+    epoch's start, once. A loop that breaks at a window's end loses nothing and hears nothing (found by a probe
+    porting pytorch/examples' mnist with ``--dry-run``)."""
+    import pytest
+
+    launched(dict(gradient_accumulation=2))
+    model = make_model()
+    engine, loader, _, _ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), LOSS,
+                                                    make_batches(6), verbose=False)
+
+    def epoch(stop_after):
+        for i, (x, y) in enumerate(loader):
+            engine.zero_grad()
+            engine.backward(engine.criterion(engine(x), y))
+            engine.step()
+            if i + 1 == stop_after:
+                break
+
+    epoch(stop_after=4)  # two whole windows
+    epoch(stop_after=3)
+    assert not [w for w in recwarn if "inside a window" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"stopped inside a window, after 1 of its 2 micro-batches; windows start at "
+                                         r"each epoch's start, so their gradients are dropped"):
+        epoch(stop_after=6)
+    assert engine.num_updates == 2 + 1 + 3
+
+
+def test_the_trainer_continuing_inside_a_window_says_nothing_of_dropped_windows(launched, recwarn):
+    """The Trainer places each micro-batch itself: a fit stopped inside a window by a hook continues it in the next
+    fit (nothing is dropped), with no warning."""
+    from colossal_lite.trainer import Trainer
+    from colossal_lite.trainer.hooks import BaseHook
+
+    class StopAtBatch3(BaseHook):
+        def after_train_iter(self, trainer, *args):
+            if trainer.state.iteration == 3:
+                trainer.state.stop_training = True
+
+    launched(dict(gradient_accumulation=2))
+    model = make_model()
+    engine, loader, _, _ = colossal_lite.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), LOSS,
+                                                    make_batches(6), verbose=False)
+    trainer = Trainer(engine)
+    trainer.fit(loader, epochs=1, hooks=[StopAtBatch3()], log_dir=False, display_progress=False)
+    assert (trainer.state.batch_idx, engine.window.micro_step) == (3, 1)
+    trainer.fit(loader, epochs=1, log_dir=False, display_progress=False)
+    assert engine.num_updates == 3
+    assert not [w for w in recwarn if "inside a window" in str(w.message)]

@@ -21,7 +21,7 @@ def test_engine_steps_make_no_sync_calls(launched):
                 engine.step()
                 sched.step()
             it = iter(loader)
-            for _ in range(3):  # the schedule path too
+            for _ in range(4):  # the schedule path too (two whole windows)
                 engine.zero_grad()
                 engine.execute_schedule(it)
                 engine.step()
