@@ -8,6 +8,8 @@ re-exported from their modules.
 """
 from __future__ import annotations
 
+import difflib
+import os
 import time
 import warnings
 from pathlib import Path
@@ -140,7 +142,13 @@ class CheckpointManager:
             if path is None:
                 raise CheckpointNotFoundError(f"no complete checkpoint in {self.checkpoint_dir}")
             return path
-        return resolve_path(which, self.checkpoint_dir)
+        try:
+            return resolve_path(which, self.checkpoint_dir)
+        except CheckpointNotFoundError as error:
+            close = difflib.get_close_matches(str(which), ["auto", *POINTERS, "latest"], n=1, cutoff=0.6)
+            if not close or os.sep in str(which):
+                raise
+            raise CheckpointNotFoundError(f"{error}; did you mean {close[0]!r}?") from None
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, name: str, shared_state: Dict[str, Any], rank_state: Optional[Dict[str, Any]] = None,

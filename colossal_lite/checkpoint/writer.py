@@ -8,6 +8,7 @@ run by rank 0 inside the same agreement, so its failure raises on every rank too
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -263,13 +264,19 @@ def _file_sizes(tmp: Path, target: Path, world_size: int) -> Dict[str, int]:
     return files
 
 
+def _json_metrics(metrics: Dict[str, Any]) -> Dict[str, Any]:
+    """The metrics as ``meta.json`` holds them: a NaN (a figure the run has not got) is ``null``, as in the run's
+    metrics file, since JSON has no NaN (Python's ``NaN`` token is refused by strict readers, such as jq)."""
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in metrics.items()}
+
+
 def _meta(job: FolderWrite, checksums: Dict[str, str]) -> Dict[str, Any]:
     """The ``meta.json`` of the folder being written in ``job.tmp``."""
     files = _file_sizes(job.tmp, job.target, job.ranks.world_size)
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "name": job.target.name,
         "seq": 1 + max((int(m.get("seq", 0)) for _, m in complete_checkpoints(job.checkpoint_dir)), default=0),
-        "epoch": job.epoch, "step": job.step, "metrics": job.metrics, "world_size": job.ranks.world_size,
+        "epoch": job.epoch, "step": job.step, "metrics": _json_metrics(job.metrics), "world_size": job.ranks.world_size,
         "created": time.time(), "created_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "version": __version__, "torch_version": torch.__version__,
         "config": None if job.config is None else to_jsonable(job.config),

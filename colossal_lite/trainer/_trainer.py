@@ -210,6 +210,20 @@ def _epoch_length(loader) -> Optional[int]:
     return batches_per_epoch(loader)
 
 
+def _why_empty(loader) -> str:
+    """What made a loader with samples yield no batch, when that is ``drop_last`` (said after the error)."""
+    inner = loader.loader if isinstance(loader, AccumulationDataLoader) else loader
+    batch_size, sampler = getattr(inner, "batch_size", None), getattr(inner, "sampler", None)
+    try:
+        samples = len(sampler) if sampler is not None else None
+    except TypeError:
+        return ""
+    if not getattr(inner, "drop_last", False) or not samples or not batch_size:
+        return ""
+    return (f": its {samples} samples (on this rank) are fewer than batch_size={batch_size}, and drop_last=True drops "
+            f"that partial batch. Fix: a smaller batch_size, or drop_last=False")
+
+
 def _epoch_loader(loader):
     """What an epoch iterates: the loader ``initialize`` wrapped, not the wrapper. The epoch places each micro-batch
     in its window itself (``SizedEpoch``, ``UnsizedEpoch``) and the step announces it; the wrapper's announcements
@@ -677,7 +691,7 @@ class Trainer:
         iters = _epoch_length(train_loader)  # None: a loader without len, whose epochs end when its iterator does
         _check_same_epoch_length(iters)  # (before any rank can raise alone below: all ranks reach this collective)
         if iters == 0:
-            raise ValueError("fit(train_dataloader=...) is empty: len(train_dataloader) == 0")
+            raise ValueError(f"fit(train_dataloader=...) is empty: len(train_dataloader) == 0{_why_empty(train_loader)}")
         st = self.state
         steps_per_epoch = None if iters is None else math.ceil(iters / self._engine.window.size)
         max_epochs, max_steps = _resolve_length(epochs, max_steps, max_duration, steps_per_epoch)

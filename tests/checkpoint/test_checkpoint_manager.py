@@ -118,6 +118,32 @@ def test_best_survives_a_restart(tmp_path):
         restarted.save("epoch4-step50", _state(50), metrics={"acc": 1.0})
 
 
+def test_a_nan_metric_is_null_in_meta_json_and_never_best(tmp_path):
+    """JSON has no NaN: ``meta.json`` writes it ``null``, as the run's metrics file does, so strict readers (jq,
+    JavaScript) read it (found by a probe); a NaN still never becomes best, also after a restart."""
+    d = tmp_path / "ck"
+    m = CheckpointManager(d, save_best=("loss", "min"))
+    m.save("epoch0-step10", _state(10), metrics={"loss": 0.5, "acc": float("nan")})
+    m.save("epoch1-step20", _state(20), metrics={"loss": torch.tensor(float("nan"))})
+    text = (d / "epoch1-step20" / "meta.json").read_text()
+    meta = json.loads(text, parse_constant=lambda name: pytest.fail(f"meta.json holds {name}, which is not JSON"))
+    assert meta["metrics"] == {"loss": None}
+    assert json.loads((d / "epoch0-step10" / "meta.json").read_text())["metrics"] == {"loss": 0.5, "acc": None}
+    assert m.resolve("best").name == "epoch0-step10"
+    assert CheckpointManager(d, save_best=("loss", "min")).best_value == 0.5
+
+
+def test_a_misspelt_pointer_is_answered_with_the_pointer_meant(tmp_path):
+    m = CheckpointManager(tmp_path / "ck")
+    with pytest.raises(CheckpointNotFoundError, match=r"checkpoint atuo does not exist .*; did you mean 'auto'\?"):
+        m.resolve("atuo")
+    with pytest.raises(CheckpointNotFoundError, match=r"did you mean 'best'\?"):
+        m.resolve("bets")
+    with pytest.raises(CheckpointNotFoundError) as error:
+        m.resolve(str(tmp_path / "ck" / "epoch0-step1"))  # a path: no pointer is meant
+    assert "did you mean" not in str(error.value)
+
+
 def test_bad_arguments_are_explained(tmp_path):
     with pytest.raises(ValueError, match=r"save_best must be None or \(metric_name, 'min' \| 'max'\)"):
         CheckpointManager(tmp_path, save_best="loss")

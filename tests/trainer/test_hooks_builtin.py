@@ -512,6 +512,33 @@ def test_early_stopping_argument_errors():
     assert not trainer.state.fitting and trainer._step is None  # the failed attach was cleaned up
 
 
+def test_hook_arguments_of_the_wrong_kind_name_the_argument_and_what_to_give():
+    """A string where a bool or a number is meant was taken (``by_epoch='no'`` is true: the scheduler stepped per
+    epoch) or failed deep inside (``decay='0.9'``: a bare comparison TypeError). Found by a probe."""
+    from colossal_lite.trainer.hooks import EMAHook, LRSchedulerHook
+
+    scheduler = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(make_model().parameters(), lr=0.1), step_size=1)
+    with pytest.raises(TypeError, match=r"LRSchedulerHook\(by_epoch='no'\): give True .* or False"):
+        LRSchedulerHook(scheduler, by_epoch="no")
+    assert LRSchedulerHook(scheduler, by_epoch=0).by_epoch is False  # an int is a truth value, as legacy took it
+    with pytest.raises(TypeError, match=r"EMAHook\(decay='0.9'\): give a number in \[0, 1\]"):
+        EMAHook(decay="0.9")
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
+        EMAHook(decay=1.5)
+
+
+def test_a_loader_that_drop_last_empties_is_named_as_the_cause():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    engine, _ = make_engine(make_model())
+    loader = DataLoader(TensorDataset(torch.randn(6, 6), torch.randint(0, 3, (6,))), batch_size=8, drop_last=True)
+    with pytest.raises(ValueError, match=r"len\(train_dataloader\) == 0: its 6 samples \(on this rank\) are fewer "
+                                         r"than batch_size=8, and drop_last=True drops that partial batch"):
+        Trainer(engine).fit(loader, epochs=1)
+    with pytest.raises(ValueError, match=r"len\(train_dataloader\) == 0$"):
+        Trainer(engine).fit([], epochs=1)
+
+
 @pytest.mark.parametrize("interpolate_loss", [True, False])
 def test_mixup_hook_equals_the_functional_form(interpolate_loss):
     batches = make_batches(3)

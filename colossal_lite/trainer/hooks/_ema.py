@@ -47,6 +47,8 @@ class EMAHook(BaseHook):
 
     def __init__(self, decay: float = 0.999, priority: int = 5):
         super().__init__(priority)
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)):
+            raise TypeError(f"EMAHook(decay={decay!r}): give a number in [0, 1], e.g. decay=0.999")
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"EMAHook(decay={decay!r}) must be in [0, 1] (the weight kept from the average)")
         self.decay = float(decay)

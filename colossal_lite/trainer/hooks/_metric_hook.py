@@ -684,6 +684,9 @@ class LRSchedulerHook(MetricHook):
         super().__init__(priority)
         if not callable(getattr(lr_scheduler, "step", None)):
             raise TypeError(f"LRSchedulerHook needs an LR scheduler with .step(), got {type(lr_scheduler).__name__}")
+        if not isinstance(by_epoch, (bool, int)):  # a string such as "no" would be true
+            raise TypeError(f"LRSchedulerHook(by_epoch={by_epoch!r}): give True (step after every epoch) or False "
+                            f"(after every optimizer update)")
         plateau = _is_plateau(lr_scheduler)
         if plateau and (monitor is None or not by_epoch):
             raise ValueError("LRSchedulerHook: ReduceLROnPlateau steps on a metric once per epoch: pass "
