@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from .amp.precision import build_precision
 from .context.config import Config, ConfigException
@@ -121,8 +122,6 @@ def _warn_of_undivided_train_data(logger, loader, world_size: int) -> None:
     """A ``DataLoader`` over a map-style dataset with torch's default sampler gives every rank the whole dataset
     (in the same order under the launch's seed): N ranks then train on the same batches, N times the compute of
     one, and nothing fails. Said once, since a program may mean it (ranks that draw their own data)."""
-    from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
-
     if world_size < 2 or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return
     if type(loader.sampler) not in (SequentialSampler, RandomSampler):
