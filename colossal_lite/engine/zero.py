@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import inspect
 import os
 import platform
@@ -51,7 +50,7 @@ def return_large_frees_to_the_system() -> bool:
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc = ctypes.CDLL(None)  # the process's own symbols, glibc's among them: no search for the library's file
     ok = libc.mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION_BYTES) == 1
     # the trim threshold is fixed too: glibc had raised it along with the mmap threshold (to twice that)
     ok = libc.mallopt(_M_TRIM_THRESHOLD, 2 * LARGE_ALLOCATION_BYTES) == 1 and ok

@@ -173,7 +173,6 @@ def test_fit_auto_resumes_from_the_newest_checkpoint_that_verifies_and_last_refu
     assert trainer.cur_step == 15
 
 
-@pytest.mark.slow  # FSDP2 asks ldconfig for its libraries: a process
 def test_auto_falls_back_past_a_zero_shard_found_damaged_as_it_loads(tmp_path, clean, capfd):
     """ZeRO 3 shards are checked as DCP reads them (each byte read once), after the folder was chosen: a damaged
     one still sends ``'auto'`` on to the next newest checkpoint, and that resume is the one a clean run gives."""

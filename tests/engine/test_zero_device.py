@@ -5,14 +5,12 @@ machine with GPUs, a run launched with ``device='cpu'`` had every rank's model p
 fed it host tensors (found by reading the CUDA-only paths). The machine here has no GPU, so torch's accelerator query
 is made to answer as it does on one; that query is the only part faked.
 """
-import pytest
 import torch
 from torch import nn
 
 import colossal_lite
 
 
-@pytest.mark.slow  # (ZeRO on the CPU finds the C library with ``ldconfig``, a process)
 def test_a_cpu_run_stays_on_the_cpu_on_a_machine_with_an_accelerator(launched, monkeypatch):
     launched(dict(zero=dict(stage=3)))
     monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cuda"))
