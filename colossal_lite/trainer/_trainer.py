@@ -1031,7 +1031,9 @@ class Trainer:
         collective: every rank must call it) into one row per sample, in dataset order, the sampler's padding
         removed."""
         engine = self._engine
-        was_training = engine.training
+        # the mode of every module as found (one the user set on the model itself, a BatchNorm frozen in eval mode),
+        # and the engine's own flag
+        modes, was_training = [(m, m.training) for m in engine.model.modules()], engine.training
         engine.eval()
         try:
             with torch.no_grad():
@@ -1039,8 +1041,9 @@ class Trainer:
                     return predict_loader(engine, data)
                 return call_with(engine, move_to_device(data, engine.device))
         finally:
-            if was_training:
-                engine.train()
+            engine.training = was_training
+            for module, mode in modes:
+                module.training = mode
 
     # -- test mode -----------------------------------------------------------------------------------
     def _test_mode(self, run: "_Run") -> TestModeResult:

@@ -481,6 +481,10 @@ def test_non_optimizer_is_rejected():
     (lambda o: MultiStepWarmupLR(o, 10, warmup_steps=2), ValueError, "milestones cannot be empty"),
     (lambda o: MultiStepWarmupLR(o, 10, warmup_steps=2, milestones=[]), ValueError, "milestones cannot be empty"),
     (lambda o: MultiStepLR(o, 10, milestones=[2, 1.5]), TypeError, "milestones entry must be an integer"),
+    # (a probe found a bare "'int' object is not iterable" here, where the page promised this message)
+    (lambda o: MultiStepLR(o, 10, milestones=3), TypeError, r"milestones must be a list of integers \(optimizer "
+                                                            r"steps\) or time strings \('0.3dur', '500ba'\), got 3"),
+    (lambda o: MultiStepWarmupLR(o, 10, warmup_steps=1, milestones=3), TypeError, "milestones must be a list"),
     (lambda o: FlatAnnealingLR(o, 10, pct_start=1.0), ValueError, "pct_start must be < 1"),
     (lambda o: FlatAnnealingLR(o, 10, pct_start=-0.1), ValueError, "pct_start must be >= 0"),
     (lambda o: OneCycleLR(o, 10, pct_start=1.5), ValueError, "pct_start must be < 1"),

@@ -433,6 +433,27 @@ def test_timing_and_throughput_hooks_work_without_a_timer_given_to_the_trainer()
     assert "Train-step" in timer  # with a trainer timer, that one is used
 
 
+def test_the_logged_throughput_is_the_recorded_one_whichever_hook_reads_it_first():
+    """The epoch's time after its last iteration (and on a GPU the device's queued work) joined the figure in the
+    hook's own epoch-end handler: a log hook of the same priority listed before it (the docs' own order) logged a
+    figure above the one the history, the metrics file and ``evaluate`` then held (found by a probe). The first read
+    closes the epoch now, whoever makes it."""
+    logger = ListLogger()
+    engine, _ = make_engine(make_model())
+    trainer = Trainer(engine)
+    trainer.fit(make_batches(4), epochs=2, test_dataloader=make_batches(2),
+                hooks=[LogMetricByEpochHook(logger), ThroughputHook()])
+    logged = {phase: [float(v) for v in re.findall(rf"\[Epoch \d / {phase}\]: Throughput = ([0-9.e+]+) sample_per_sec",
+                                                    "\n".join(logger.lines))] for phase in ("Train", "Test")}
+    for phase in ("Train", "Test"):
+        recorded = trainer.history[f"{phase.lower()}/Throughput"]
+        assert len(logged[phase]) == len(recorded) == 2, (logger.lines, recorded)
+        assert logged[phase] == [float(f"{v:.5g}") for v in recorded], (phase, logged[phase], recorded)
+    results = trainer.evaluate(make_batches(2), hooks=[LogMetricByEpochHook(logger), ThroughputHook()])
+    said = re.findall(r"\[Evaluation\]: Throughput = ([0-9.e+]+) sample_per_sec", "\n".join(logger.lines))
+    assert [float(v) for v in said] == [float(f"{results['Throughput']:.5g}")], (said, results)
+
+
 def test_memory_hook_reports_process_memory():
     logger = ListLogger()
     engine, _ = make_engine(make_model())

@@ -107,6 +107,21 @@ def test_a_training_mode_model_is_put_back_and_eval_mode_kept():
     assert model.training
 
 
+def test_the_mode_set_on_the_model_itself_and_a_frozen_layer_are_put_back():
+    """predict put back the engine's own flag: after ``model.eval()`` (not ``engine.eval()``) the model came back
+    in training mode, and a layer kept in eval mode inside a training model (a frozen BatchNorm) came back training
+    (found by a probe of predict.md's "the mode it found is put back")."""
+    engine, model, data = _engine_and_data()
+    trainer = Trainer(engine)
+    model.eval()
+    trainer.predict(torch.utils.data.DataLoader(data, batch_size=5))
+    assert not any(m.training for m in model.modules()) and engine.training  # as found, both
+    model.train()
+    model[1].eval()  # the dropout frozen
+    trainer.predict(data.tensors[0][:3])
+    assert [m.training for m in model.modules()] == [True, True, False, True]
+
+
 def test_nested_outputs_are_joined_leaf_by_leaf():
     class TwoHeads(nn.Module):
         def __init__(self):

@@ -67,8 +67,8 @@ class MultiStepLR(ExactResumeMixin, _torch_sched.MultiStepLR):
                  gamma: float = 0.1, last_epoch: int = -1, steps_per_epoch: Optional[int] = None, **kwargs):
         warn_unused("MultiStepLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
-        written = time_string_milestones(milestones)
-        milestones = _check_milestones(milestones, total_steps, steps_per_epoch)
+        resolved = _check_milestones(milestones, total_steps, steps_per_epoch)  # (first: it refuses what is no list)
+        written, milestones = time_string_milestones(milestones), resolved
         gamma = check_number("gamma", gamma, minimum=0)
         super().__init__(optimizer, milestones=milestones, gamma=gamma, last_epoch=check_last_epoch(last_epoch))
         self.total_steps = total_steps
@@ -86,8 +86,8 @@ class MultiStepWarmupLR(WarmupScheduler):
         optimizer = unwrap_optimizer(optimizer)
         total_steps = check_total_steps(total_steps)
         warmup_steps = check_warmup_steps(warmup_steps, total_steps, "MultiStepWarmupLR")
-        written = time_string_milestones(milestones)
-        milestones = _check_milestones(milestones, total_steps, steps_per_epoch)
+        resolved = _check_milestones(milestones, total_steps, steps_per_epoch)  # (first: it refuses what is no list)
+        written, milestones = time_string_milestones(milestones), resolved
         if not milestones:
             raise ValueError("milestones cannot be empty")
         require_initial_lr(optimizer, check_last_epoch(last_epoch))

@@ -8,6 +8,7 @@ this rank as a device tensor (or a float), for the progress display and step log
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import MutableMapping
 from typing import Any, Callable, Dict, Optional
@@ -425,6 +426,10 @@ class ThroughputMetric(Metric):
         self.use_local = bool(use_local)
         self.reset()
 
+    #: Called before the epoch value is computed (``ThroughputHook``: the time since its last update and the device's
+    #: queued work join the counted time), so that whoever reads the value first reads the whole epoch's.
+    before_read: Optional[Callable[[], None]] = None
+
     def reset(self) -> None:
         super().reset()
         self._updates = 0
@@ -433,9 +438,11 @@ class ThroughputMetric(Metric):
         self._counted = 0
         self._last: Optional[float] = None
         self._reduced_time = 0.0
+        self.open = False  # updated since the time after its last update was added (``before_read``)
 
     def update(self, num_samples: int, time: float) -> None:
         self._updates += 1
+        self.open = True
         if time > 0:
             self._last = num_samples * world_size() / time
         if self._updates > self.ignored_steps:
@@ -454,6 +461,8 @@ class ThroughputMetric(Metric):
         return self._last
 
     def _compute_accumulated(self) -> float:
+        if self.before_read is not None:
+            self.before_read()
         world = world_size()
         if self.use_local:
             samples, mean_time = self._samples * world, self._time
@@ -817,6 +826,10 @@ class ThroughputHook(MetricHook):
         device = device_of(trainer)
         self.train_metric = ThroughputMetric(epoch_only=True, device=device, **self._options)
         self.test_metric = ThroughputMetric(epoch_only=True, device=device, **dict(self._options, ignored_steps=0))
+        # A hook handling the epoch's end before this one (the same priority, earlier in the list: a log line) reads
+        # the value first: the epoch is closed then, so it reads what the history and every later reader get.
+        for metric in (self.train_metric, self.test_metric):
+            metric.before_read = functools.partial(self._close, metric, trainer)
         self._register_metric(trainer, "train", "Throughput", self.train_metric)
         self._register_metric(trainer, "test", "Throughput", self.test_metric)
 
@@ -826,8 +839,14 @@ class ThroughputHook(MetricHook):
         self._last = now
 
     def _close(self, metric: ThroughputMetric, trainer) -> None:
+        """The device's queued work and the time since the last iteration join the epoch's time, once: at the
+        first read of the epoch's value or at the epoch's end, whichever comes first."""
+        if not metric.open:
+            return
         _synchronize(device_of(trainer))
-        metric.add_time(time.perf_counter() - self._last)
+        now = time.perf_counter()
+        metric.add_time(now - self._last)
+        self._last, metric.open = now, False
 
     def before_train_epoch(self, trainer):
         self.train_metric.reset()
