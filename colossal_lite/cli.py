@@ -94,6 +94,26 @@ def _size(text: str):
     return width, height
 
 
+def _world_size(text: str) -> int:
+    try:
+        size = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of processes such as 8, got {text!r}") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"a run has 1 process or more, got {text!r}")
+    return size
+
+
+def _dpi(text: str) -> float:
+    try:
+        dpi = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected pixels per inch such as 100, got {text!r}") from None
+    if not 0 < dpi <= 2000:
+        raise argparse.ArgumentTypeError(f"pixels per inch are above 0 and at most 2000, got {text!r}")
+    return dpi
+
+
 def _add_plot_parser(sub) -> None:
     p = sub.add_parser("plot", help="draw a run's loss, accuracy, LR and other metrics against steps",
                        description="Draw a run's metrics against optimizer steps, one panel per metric, train and "
@@ -105,14 +125,15 @@ def _add_plot_parser(sub) -> None:
     p.add_argument("--log-y", help="metrics to draw on a log scale, e.g. Loss")
     p.add_argument("--title", help="the figure's title (default: the path read)")
     p.add_argument("--size", type=_size, help="WIDTH,HEIGHT of the figure in inches (default: by the panels)")
-    p.add_argument("--dpi", type=float, default=100, help="pixels per inch of a .png (default 100)")
+    p.add_argument("--dpi", type=_dpi, default=100, help="pixels per inch of a .png (default 100)")
 
 
 def _plot(args) -> int:
     try:
         fig = plot_metrics(args.path, args.output, metrics=args.metrics, title=args.title, log_y=args.log_y,
                            size=args.size, dpi=args.dpi)
-    except (MetricsFileError, PlotError, ImportError) as e:
+    # (OSError: the picture cannot be written; ValueError: matplotlib refuses a picture of that many pixels)
+    except (MetricsFileError, PlotError, ImportError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     panels = ", ".join(f"{ax.get_title()} ({len(ax.get_lines())})" for ax in fig.axes)
@@ -158,7 +179,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub.add_parser("info", help="versions of Python, torch, CUDA/NCCL, CPUs, GPUs and extras")
     p = sub.add_parser("check", help="validate a config file and explain the features it switches on")
     p.add_argument("config", help="path to a config .py file")
-    p.add_argument("--world-size", type=int, default=1,
+    p.add_argument("--world-size", type=_world_size, default=1,
                    help="data-parallel size to check the batch-size arithmetic against (default 1)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value first, as a training script's --set does (repeatable)")

@@ -95,6 +95,21 @@ def test_check_bad_configs_exit_1_with_the_message_on_stderr(tmp_path, capsys, b
         assert w in captured.err
 
 
+def test_check_of_a_file_that_is_not_text_and_a_world_size_below_1(tmp_path, capsys):
+    """A config that is not UTF-8 gave a traceback; --world-size 0 or -1 was taken and printed OK (a probe)."""
+    path = tmp_path / "binary.py"
+    path.write_bytes(b"\xff\xfe\x00zero = 3\n")
+    assert main(["check", str(path)]) == 1
+    assert capsys.readouterr().err == (f"error: {path}:1: not a Python config: it is not UTF-8 text (byte 0 cannot be "
+                                       f"decoded)\n")
+    good = tmp_path / "good.py"
+    good.write_text("clip_grad_norm = 1.0\n")
+    for size in ("0", "-1"):
+        with pytest.raises(SystemExit) as stop:
+            main(["check", str(good), "--world-size", size])
+        assert stop.value.code == 2 and f"a run has 1 process or more, got '{size}'" in capsys.readouterr().err
+
+
 def test_check_missing_and_non_py_files(tmp_path, capsys):
     missing = tmp_path / "nope.py"
     assert main(["check", str(missing)]) == 1

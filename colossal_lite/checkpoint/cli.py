@@ -6,6 +6,7 @@ runnable alone: ``python -m colossal_lite.checkpoint.cli info PATH``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -105,10 +106,17 @@ def _info(path: str) -> int:
     return 1 if info.get("damaged") else 0
 
 
-def check_out(path, out) -> None:
+def check_out(path, out, one_file: bool = True) -> None:
     """Refuse an ``out`` that would replace what the command reads, a pointer, or any file of a checkpoint folder
-    (its files are checksummed, and a checkpoint cleanup would delete what was written there)."""
+    (its files are checksummed, and a checkpoint cleanup would delete what was written there); and, for a command
+    that writes ``one_file``, a path written as a folder's (``runs/out/``: it would become a file of that name)."""
+    if one_file and str(out).endswith(("/", os.sep)):
+        raise CheckpointError(f"the output {out} ends in '/', but one file is written: give its name (e.g. "
+                              f"{str(out).rstrip('/' + os.sep) or '.'}/model.pt)")
     target, source = Path(out), Path(path)
+    if target.exists() and not (target.is_file() or target.is_dir()):  # (replaced by a rename: as root, a device too)
+        raise CheckpointError(f"the output {out} is not a regular file (a pipe, a device or a socket): nothing was "
+                              f"written; give a file path")
     if target.exists() and source.exists() and target.resolve() == source.resolve():
         raise CheckpointError(f"the output {out} is the checkpoint being read: nothing was written; give another "
                               f"output path")
@@ -122,7 +130,7 @@ def check_out(path, out) -> None:
 
 
 def _export(path: str, out: str, ema=False, hf=None, hf_class=None) -> int:
-    check_out(path, out)
+    check_out(path, out, one_file=hf is None)
     if hf is not None:
         print(describe(export_hf(path, out, hf, hf_class, ema, progress=False)))
         return 0

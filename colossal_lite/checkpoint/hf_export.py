@@ -76,17 +76,31 @@ def export_hf(path: PathLike, out: PathLike, config: Any, model_class: Union[Non
     transformers = _transformers()
     if not progress:
         transformers.utils.logging.disable_progress_bar()
+    if Path(out).exists() and not Path(out).is_dir():
+        raise CheckpointError(f"the output {out} is a file, and a Hugging Face export is a folder: nothing was "
+                              f"written; give a folder path")
     cfg = _config(config)
     cls = _model_class(transformers, cfg, model_class)
     weights = read_weights(path, ema)
-    model = cls(cfg)
-    missing, unexpected = model.load_state_dict(weights.state, strict=False)
+    try:
+        model = cls(cfg)
+    except (AttributeError, TypeError, ValueError) as error:  # (a class of another architecture than the config's)
+        raise CheckpointError(f"{cls.__name__} cannot be built from this config ({type(cfg).__name__}): {error}. Give "
+                              f"the class the config describes (--hf-class)") from None
+    try:
+        missing, unexpected = model.load_state_dict(weights.state, strict=False)
+    except RuntimeError as error:  # the names fit, some shapes do not: torch lists them
+        raise CheckpointError(f"the checkpoint's weights do not fit {cls.__name__} built from this config: "
+                              f"{str(error).strip().splitlines()[-1].strip()} (and maybe more). Give the config of "
+                              f"the model that was trained") from None
     if missing or unexpected:
         raise CheckpointError(f"the checkpoint's weights do not fit {cls.__name__} built from this config: missing "
                               f"{_few(missing)}, unexpected {_few(unexpected)}. Give the config and class of the "
                               f"model that was trained")
     model.save_pretrained(str(out))
-    written = next((name for name in WEIGHT_FILES if (Path(out) / name).exists()), "?")
+    written = next((name for name in WEIGHT_FILES if (Path(out) / name).exists()), None)
+    if written is None:
+        raise CheckpointError(f"transformers wrote no weights file into {out} (save_pretrained said why above)")
     return HFExport(Path(out), cls.__name__, written, len(weights.state), weights.source)
 
 

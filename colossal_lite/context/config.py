@@ -204,7 +204,11 @@ def _config_path(filename) -> Path:
 
 
 def _parse(path: Path) -> ast.Module:
-    source = path.read_text(encoding="utf-8")
+    try:
+        source = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigException(f"{path}:1: not a Python config: it is not UTF-8 text (byte {e.start} cannot be "
+                              f"decoded)") from None
     try:
         return ast.parse(source, filename=str(path))
     except SyntaxError as e:

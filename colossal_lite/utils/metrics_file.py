@@ -42,8 +42,12 @@ def find_metrics_file(path: Union[str, Path]) -> Path:
 def read_metrics(path: Union[str, Path]) -> List[Record]:
     """The records of a metrics file, in file order; ``path`` is a run folder or a .jsonl / .csv file."""
     file = find_metrics_file(path)
-    with open(file, encoding="utf-8", newline="") as f:
-        text = f.read()
+    try:
+        with open(file, encoding="utf-8", newline="") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise MetricsFileError(f"{file} is not a metrics file: it is not UTF-8 text (byte {e.start} cannot be "
+                               f"decoded)") from None
     records = _read_csv(file, text) if file.suffix == ".csv" else _read_jsonl(file, text)
     if not records:
         raise MetricsFileError(f"{file} holds no metrics records yet: the run writes one per metric at each "
@@ -74,6 +78,10 @@ def _read_jsonl(file: Path, text: str) -> List[Record]:
 
 
 def _read_csv(file: Path, text: str) -> List[Record]:
+    if not text.endswith("\n") and "\n" in text:
+        # A run still writing (or killed mid-write) leaves a last line without its newline: the rows before it are
+        # whole and worth plotting, as in a .jsonl file.
+        text = text[:text.rindex("\n") + 1]
     reader = csv.reader(text.splitlines())
     header = next(reader, None)
     if header is None:

@@ -107,6 +107,25 @@ def test_export_and_merge_refuse_an_output_that_would_replace_a_checkpoint(run_d
     assert re.search(r"checksums: all \d+ files match", capsys.readouterr().out)
 
 
+def test_export_and_merge_refuse_a_pipe_and_a_path_written_as_a_folder(run_dir, tmp_path, capsys):
+    """The output is replaced by a rename: a named pipe became a regular file (and as root, a device node such as
+    /dev/full did), and ``out/`` became a file named ``out`` (found by a probe of the command line)."""
+    import os
+
+    d, _ = run_dir
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    cases = [(["export", str(d), str(fifo)], "is not a regular file (a pipe, a device or a socket)"),
+             (["merge", str(d), str(fifo)], "is not a regular file (a pipe, a device or a socket)"),
+             (["export", str(d), str(tmp_path / "weights") + "/"], "ends in '/', but one file is written: give its "
+                                                                     f"name (e.g. {tmp_path / 'weights'}/model.pt)")]
+    for argv, why in cases:
+        assert main(["ckpt", *argv]) == 1, argv
+        err = capsys.readouterr().err
+        assert f"error: the output {argv[2]} {why}" in err, err
+    assert fifo.is_fifo() and not (tmp_path / "weights").exists()
+
+
 def test_info_of_a_damaged_checkpoint_prints_it_and_exits_1(run_dir, capsys):
     d, _ = run_dir
     shared = d / "epoch3-step120" / "shared.pt"

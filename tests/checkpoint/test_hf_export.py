@@ -84,7 +84,11 @@ def test_export_of_the_ema_average(trained, tmp_path):
 
 
 def test_export_errors_name_the_fix(trained, tmp_path, capsys):
+    from transformers import GPT2Config
+
     ck, config = str(trained["folder"] / "ck"), str(trained["folder"] / "config")
+    wider = tmp_path / "wider"
+    GPT2Config(vocab_size=30, n_positions=8, n_embd=32, n_layer=2, n_head=2).save_pretrained(wider)
     cases = [
         (["--hf", str(tmp_path / "nowhere")], "no Hugging Face config at"),
         (["--hf", config], "names no model class (its 'architectures' is empty): name it, e.g. --hf-class"),
@@ -92,9 +96,19 @@ def test_export_errors_name_the_fix(trained, tmp_path, capsys):
         (["--hf", config, "--hf-class", "GPT2Model"], "the checkpoint's weights do not fit GPT2Model built from this "
                                                       "config: missing"),
         (["--hf-class", "GPT2LMHeadModel"], "--hf-class names the model class of a Hugging Face export: give --hf"),
+        # (these two were tracebacks, found by a probe of the command line)
+        (["--hf", str(wider), "--hf-class", "GPT2LMHeadModel"], "the checkpoint's weights do not fit GPT2LMHeadModel "
+                                                                 "built from this config: size mismatch"),
+        (["--hf", config, "--hf-class", "BertModel"], "BertModel cannot be built from this config (GPT2Config)"),
     ]
     for extra, message in cases:
         assert main(["export", ck, str(tmp_path / "out"), *extra]) == 1, extra
         err = capsys.readouterr().err
         assert message in err, (extra, err)
     assert not (tmp_path / "out").exists()  # nothing written by a failed export
+    # onto a file: transformers wrote nothing and said so in a log line, and the command said it wrote the folder
+    # and exited 0 (found by the same probe)
+    (tmp_path / "file").write_bytes(b"kept")
+    assert main(["export", ck, str(tmp_path / "file"), "--hf", config, "--hf-class", "GPT2LMHeadModel"]) == 1
+    assert "is a file, and a Hugging Face export is a folder: nothing was written" in capsys.readouterr().err
+    assert (tmp_path / "file").read_bytes() == b"kept"

@@ -220,6 +220,38 @@ def test_malformed_csv_is_named(tmp_path):
         read_metrics(path)
 
 
+def test_an_unfinished_last_csv_row_is_left_out_and_a_binary_file_is_named(tmp_path):
+    """As for .jsonl (plot.md: a running job can be plotted): the CSV reader failed on the cut row, or took a row
+    cut inside its last field as whole; a file that is not text gave a UnicodeDecodeError traceback (a probe)."""
+    path = tmp_path / "metrics.csv"
+    whole = "step,epoch,name,value,time\n1,0,lr,0.1,5\n2,0,lr,0.2,6\n"
+    for cut in ("3,0,lr", "3,0,lr,0.3,17"):
+        path.write_text(whole + cut)
+        assert [r["value"] for r in read_metrics(path)] == [0.1, 0.2], cut
+    path.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(MetricsFileError, match=r"metrics.csv is not a metrics file: it is not UTF-8 text"):
+        read_metrics(path)
+
+
+@pytest.mark.parametrize("args, message", [(["--dpi", "0"], "pixels per inch are above 0 and at most 2000, got '0'"),
+                                           (["--dpi", "x"], "expected pixels per inch such as 100, got 'x'")])
+def test_a_bad_dpi_is_refused_by_the_parser(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as stop:
+        main(["plot", str(tmp_path), "-o", str(tmp_path / "c.png"), *args])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_picture_too_large_or_unwritable_is_one_line_and_exit_1(tmp_path, capsys):
+    write_jsonl(tmp_path / "metrics.jsonl", made_up_run())
+    assert main(["plot", str(tmp_path), "-o", str(tmp_path / "c.png"), "--size", "1e6,1e6"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: Image size of ") and "Traceback" not in err, err
+    (tmp_path / "taken.png").mkdir()  # (as root no folder is read-only: a folder of the picture's name fails too)
+    assert main(["plot", str(tmp_path), "-o", str(tmp_path / "taken.png")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Is a directory" in err and "Traceback" not in err, err
+
+
 def test_the_cli_prints_the_error_without_a_traceback(tmp_path, capsys):
     status = main(["plot", str(tmp_path), "-o", str(tmp_path / "curves.png")])
     printed = capsys.readouterr()
