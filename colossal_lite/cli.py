@@ -8,7 +8,7 @@ import os
 import platform
 import sys
 import warnings
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -94,24 +94,24 @@ def _size(text: str):
     return width, height
 
 
-def _world_size(text: str) -> int:
-    try:
-        size = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of processes such as 8, got {text!r}") from None
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"a run has 1 process or more, got {text!r}")
-    return size
+def _argument(convert: Callable[[str], Any], fits: Callable[[Any], bool], expected: str, limits: str):
+    """An argparse type: ``convert`` the text (else "expected ...") and check it ``fits`` (else ``limits``)."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}") from None
+        if not fits(value):
+            raise argparse.ArgumentTypeError(f"{limits}, got {text!r}")
+        return value
+    return parse
 
 
-def _dpi(text: str) -> float:
-    try:
-        dpi = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected pixels per inch such as 100, got {text!r}") from None
-    if not 0 < dpi <= 2000:
-        raise argparse.ArgumentTypeError(f"pixels per inch are above 0 and at most 2000, got {text!r}")
-    return dpi
+_world_size = _argument(int, lambda n: n >= 1, "a number of processes such as 8", "a run has 1 process or more")
+_dpi = _argument(float, lambda d: 0 < d <= 2000, "pixels per inch such as 100",
+                 "pixels per inch are above 0 and at most 2000")
+_rows = _argument(int, lambda n: n >= 1, "a whole number of causes to list, such as 6",
+                  "the report lists 1 cause or more")
 
 
 def _add_plot_parser(sub) -> None:
@@ -139,16 +139,6 @@ def _plot(args) -> int:
     panels = ", ".join(f"{ax.get_title()} ({len(ax.get_lines())})" for ax in fig.axes)
     print(f"wrote {args.output}: {panels}")
     return 0
-
-
-def _rows(text: str) -> int:
-    try:
-        rows = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of causes to list, such as 6; got {text!r}") from None
-    if rows < 1:
-        raise argparse.ArgumentTypeError(f"the report lists 1 cause or more, got {text!r}")
-    return rows
 
 
 def _add_report_parser(sub) -> None:

@@ -234,7 +234,7 @@ def test_an_unfinished_last_csv_row_is_left_out_and_a_binary_file_is_named(tmp_p
 
 
 @pytest.mark.parametrize("args, message", [(["--dpi", "0"], "pixels per inch are above 0 and at most 2000, got '0'"),
-                                           (["--dpi", "x"], "expected pixels per inch such as 100, got 'x'")])
+                                           (["--dpi", "x"], "expected pixels per inch such as 100; got 'x'")])
 def test_a_bad_dpi_is_refused_by_the_parser(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as stop:
         main(["plot", str(tmp_path), "-o", str(tmp_path / "c.png"), *args])
