@@ -100,10 +100,7 @@ class AccumulationWindow:
 
     def continue_at(self, index: int) -> None:
         """The epoch's next micro-batch is ``index``: a window left open by a loop that stopped elsewhere is
-        dropped (its gradients are cleared by the next window's ``zero_grad``), a restored one continues. A place
-        announced before is forgotten: it was a batch read but not run (those dropped to continue inside the
-        epoch), and ``zero_grad`` would take it for the next micro-batch's."""
-        self._next = None
+        dropped (its gradients are cleared by the next window's ``zero_grad``), a restored one continues."""
         if self.micro_step != index % self.size:
             self.close()
 

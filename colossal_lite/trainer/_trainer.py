@@ -212,16 +212,15 @@ def _epoch_length(loader) -> Optional[int]:
 
 def _why_empty(loader) -> str:
     """What made a loader with samples yield no batch, when that is ``drop_last`` (said after the error)."""
-    inner = loader.loader if isinstance(loader, AccumulationDataLoader) else loader
-    batch_size, sampler = getattr(inner, "batch_size", None), getattr(inner, "sampler", None)
+    inner = _epoch_loader(loader)
+    if not getattr(inner, "drop_last", False):
+        return ""
     try:
-        samples = len(sampler) if sampler is not None else None
-    except TypeError:
+        samples = len(inner.sampler)
+    except (AttributeError, TypeError):  # (no sampler, or one without len)
         return ""
-    if not getattr(inner, "drop_last", False) or not samples or not batch_size:
-        return ""
-    return (f": its {samples} samples (on this rank) are fewer than batch_size={batch_size}, and drop_last=True drops "
-            f"that partial batch. Fix: a smaller batch_size, or drop_last=False")
+    return (f": its {samples} samples (on this rank) are fewer than batch_size={inner.batch_size}, and drop_last=True "
+            f"drops that partial batch. Fix: a smaller batch_size, or drop_last=False") if samples else ""
 
 
 def _epoch_loader(loader):

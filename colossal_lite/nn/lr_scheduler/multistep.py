@@ -1,7 +1,7 @@
 """Step decay at milestones, with and without warm-up (optimizer steps)."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from torch.optim import lr_scheduler as _torch_sched
 
@@ -46,15 +46,18 @@ def time_string_milestones(milestones) -> List[str]:
     return [str(m) for m in (milestones or ()) if isinstance(m, (str, Time))]
 
 
-def _check_milestones(milestones, total_steps=None, steps_per_epoch: Optional[int] = None) -> List[int]:
-    """The milestones as optimizer steps: ints as given, time strings resolved against the run's length."""
+def _check_milestones(milestones, total_steps=None,
+                      steps_per_epoch: Optional[int] = None) -> Tuple[List[int], List[str]]:
+    """The milestones as optimizer steps (ints as given, time strings resolved against the run's length), and the
+    time strings as written (``time_string_milestones``)."""
     if milestones is None:
-        return []
+        return [], []
     if isinstance(milestones, (str, bytes)) or not hasattr(milestones, "__iter__"):
         raise TypeError(f"milestones must be a list of integers (optimizer steps) or time strings "
                         f"('0.3dur', '500ba'), got {milestones!r}")
-    return [_resolve_milestone(m, total_steps, steps_per_epoch) if isinstance(m, (str, Time))
-            else check_int("milestones entry", m, 0) for m in milestones]
+    steps = [_resolve_milestone(m, total_steps, steps_per_epoch) if isinstance(m, (str, Time))
+             else check_int("milestones entry", m, 0) for m in milestones]
+    return steps, time_string_milestones(milestones)
 
 
 class MultiStepLR(ExactResumeMixin, _torch_sched.MultiStepLR):
@@ -67,8 +70,7 @@ class MultiStepLR(ExactResumeMixin, _torch_sched.MultiStepLR):
                  gamma: float = 0.1, last_epoch: int = -1, steps_per_epoch: Optional[int] = None, **kwargs):
         warn_unused("MultiStepLR", kwargs)
         optimizer = unwrap_optimizer(optimizer)
-        resolved = _check_milestones(milestones, total_steps, steps_per_epoch)  # (first: it refuses what is no list)
-        written, milestones = time_string_milestones(milestones), resolved
+        milestones, written = _check_milestones(milestones, total_steps, steps_per_epoch)
         gamma = check_number("gamma", gamma, minimum=0)
         super().__init__(optimizer, milestones=milestones, gamma=gamma, last_epoch=check_last_epoch(last_epoch))
         self.total_steps = total_steps
@@ -86,8 +88,7 @@ class MultiStepWarmupLR(WarmupScheduler):
         optimizer = unwrap_optimizer(optimizer)
         total_steps = check_total_steps(total_steps)
         warmup_steps = check_warmup_steps(warmup_steps, total_steps, "MultiStepWarmupLR")
-        resolved = _check_milestones(milestones, total_steps, steps_per_epoch)  # (first: it refuses what is no list)
-        written, milestones = time_string_milestones(milestones), resolved
+        milestones, written = _check_milestones(milestones, total_steps, steps_per_epoch)
         if not milestones:
             raise ValueError("milestones cannot be empty")
         require_initial_lr(optimizer, check_last_epoch(last_epoch))
